@@ -1,0 +1,54 @@
+"""ptrres: KV-cache block ids to memory pointers and copy descriptors, compiled.
+
+A checked, compiled drop-in for ``vllm.v1.kv_offload.pointer_utils``.
+"""
+
+from ._errors import (
+    BlockIdError,
+    InputTypeError,
+    LayoutError,
+    OffloadedIdError,
+    OutBufferError,
+    PtrresError,
+    SpecError,
+)
+from ._pointer_utils import (
+    clear_table_cache,
+    iter_pointer_groups,
+    resolve_device_pointers,
+)
+from ._table import PointerTable
+from ._types import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    DevicePointerGroupInfo,
+    DevicePointers,
+    GPULoadStoreSpec,
+)
+from ._warmup import CompiledKernel, WarmupReport, warmup
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockIdError",
+    "CanonicalKVCacheRef",
+    "CanonicalKVCacheTensor",
+    "CanonicalKVCaches",
+    "CompiledKernel",
+    "DevicePointerGroupInfo",
+    "DevicePointers",
+    "GPULoadStoreSpec",
+    "InputTypeError",
+    "LayoutError",
+    "OffloadedIdError",
+    "OutBufferError",
+    "PointerTable",
+    "PtrresError",
+    "SpecError",
+    "WarmupReport",
+    "clear_table_cache",
+    "iter_pointer_groups",
+    "resolve_device_pointers",
+    "warmup",
+]

@@ -1,0 +1,266 @@
+"""Model-shaped layouts and side-by-side timing, for benchmarks and notebooks.
+
+Layouts are built from VirtualTensor: objects that answer the tensor calls
+ptrres makes (data_ptr, stride, element_size, shape) for memory that is never
+allocated. Pointer math does not touch the memory, so a 70B model's layout
+costs nothing here.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._types import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+)
+
+KiB = 1024
+# Where virtual tensors start: a typical device address, far from zero.
+VIRTUAL_BASE = 0x7F00_0000_0000
+# Virtual tensors are spaced this far apart, so no two ever overlap.
+VIRTUAL_ALIGN = 1 << 32
+
+
+class VirtualTensor:
+    """A (num_blocks, row_bytes) int8 tensor that answers ptrres' calls only.
+
+    Args:
+        base_ptr: its data pointer.
+        num_blocks: its first dimension.
+        row_bytes: bytes per row (its second dimension, as int8).
+    """
+
+    def __init__(self, base_ptr: int, num_blocks: int, row_bytes: int) -> None:
+        self.base_ptr = base_ptr
+        self.shape = (num_blocks, row_bytes)
+
+    def data_ptr(self) -> int:
+        return self.base_ptr
+
+    def stride(self, dim: int) -> int:
+        return self.shape[1] if dim == 0 else 1
+
+    def element_size(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"VirtualTensor(0x{self.base_ptr:x}, shape={self.shape})"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model's KV-cache layout (SPEC section 8): groups, refs, pages."""
+
+    name: str
+    description: str
+    # Page bytes of each ref, per group: len() is the number of groups.
+    group_page_sizes: tuple[int, ...]
+    refs_per_group: int
+    # True: tensor i holds layer i of every group (hybrid models), its rows as
+    # wide as the largest page. False: one tensor per ref.
+    shared_tensors: bool = False
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_page_sizes)
+
+    @property
+    def num_refs(self) -> int:
+        return self.num_groups * self.refs_per_group
+
+    def kv_caches(self, num_blocks: int = 32768) -> CanonicalKVCaches:
+        """The layout over virtual tensors of ``num_blocks`` blocks each."""
+        if self.shared_tensors:
+            row = max(self.group_page_sizes)
+            tensor_rows = [row] * self.refs_per_group
+            tensor_of = [list(range(self.refs_per_group))] * self.num_groups
+        else:
+            tensor_rows = [
+                page
+                for page in self.group_page_sizes
+                for _ in range(self.refs_per_group)
+            ]
+            tensor_of = [
+                list(range(g * self.refs_per_group, (g + 1) * self.refs_per_group))
+                for g in range(self.num_groups)
+            ]
+        tensors = []
+        address = VIRTUAL_BASE
+        for row in tensor_rows:
+            tensors.append(
+                CanonicalKVCacheTensor(VirtualTensor(address, num_blocks, row), row)
+            )
+            size = num_blocks * row
+            address += -(-size // VIRTUAL_ALIGN) * VIRTUAL_ALIGN
+        return CanonicalKVCaches(
+            tensors,
+            [
+                [CanonicalKVCacheRef(t, page) for t in tensor_of[g]]
+                for g, page in enumerate(self.group_page_sizes)
+            ],
+        )
+
+
+def _page(kv_heads: int, head_dim: int, block_tokens: int = 16) -> int:
+    """Bytes of K and V of one layer for one block, in bf16."""
+    return 2 * block_tokens * kv_heads * head_dim * 2
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset("llama-3.1-8b", "32 layers, K+V in one tensor", (_page(8, 128),), 32),
+        Preset(
+            "llama-3.1-8b-split",
+            "32 layers, K and V as separate tensors",
+            (_page(8, 128) // 2,),
+            64,
+        ),
+        Preset("llama-3.1-70b", "80 layers, TP=1", (_page(8, 128),), 80),
+        Preset(
+            "llama-3.1-70b-tp4",
+            "80 layers, TP=4, K and V split",
+            (_page(2, 128) // 2,),
+            160,
+        ),
+        Preset("qwen2.5-7b", "28 layers, 4 KV heads", (_page(4, 128),), 28),
+        Preset(
+            "deepseek-v3-mla",
+            "61 layers, MLA, 576 values per token",
+            (16 * 576 * 2,),
+            61,
+        ),
+        Preset(
+            "hybrid-4x12",
+            "3 attention groups (32 KiB) + 1 linear-attention group (64 KiB),"
+            " tensor i shared by layer i of each group",
+            (32 * KiB, 32 * KiB, 32 * KiB, 64 * KiB),
+            12,
+            shared_tensors=True,
+        ),
+    ]
+}
+
+
+def make_spec(
+    preset: Preset,
+    blocks_per_group: int,
+    *,
+    num_blocks: int = 32768,
+    run_length: int = 16,
+    block_index: int = 0,
+    id_dtype: Any = np.int64,
+    seed: int = 0,
+) -> GPULoadStoreSpec:
+    """A spec of ``blocks_per_group`` ids per group, as an allocator hands out.
+
+    Ids come in runs of up to ``run_length`` consecutive blocks starting at
+    random places (what a block pool hands a request after some churn), so
+    coalescing has realistic work.
+    """
+    rng = np.random.default_rng(seed)
+    ids = []
+    for _ in range(preset.num_groups):
+        group: list[int] = []
+        while len(group) < blocks_per_group:
+            run = min(run_length, blocks_per_group - len(group))
+            start = int(rng.integers(0, num_blocks - run))
+            group.extend(range(start, start + run))
+        ids.extend(group)
+    return GPULoadStoreSpec(
+        np.array(ids, dtype=id_dtype),
+        [blocks_per_group] * preset.num_groups,
+        [block_index] * preset.num_groups,
+    )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call of one contender: the median of interleaved rounds."""
+
+    seconds: float
+    rounds: tuple[float, ...]
+
+
+def compare(
+    contenders: dict[str, Callable[[], object]],
+    *,
+    seconds: float = 0.3,
+    rounds: int = 7,
+) -> dict[str, Timing]:
+    """Time several functions side by side, interleaved, in this process.
+
+    Each contender is calibrated to a batch of calls that takes about
+    ``seconds / (rounds * len(contenders))``; then the rounds run the batches in
+    turn, so that a noisy neighbour slows every contender alike.
+    """
+    batch_seconds = seconds / (rounds * len(contenders))
+    batches = {name: _calibrate(fn, batch_seconds) for name, fn in contenders.items()}
+    per_call: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            per_call[name].append(_time_batch(fn, batches[name]))
+    return {
+        name: Timing(statistics.median(times), tuple(times))
+        for name, times in per_call.items()
+    }
+
+
+def _calibrate(fn: Callable[[], object], batch_seconds: float) -> int:
+    fn()  # warm caches, compile if needed
+    n = 1
+    while True:
+        elapsed = _time_batch(fn, n) * n
+        if elapsed >= batch_seconds / 4 or n >= 1 << 20:
+            return max(1, int(n * batch_seconds / max(elapsed, 1e-9)))
+        n *= 4
+
+
+def _time_batch(fn: Callable[[], object], n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    """The geometric mean of positive numbers."""
+    return float(np.exp(np.mean(np.log(values))))
+
+
+def vllm_style_resolve(device_spec: Any, kv_caches: Any) -> tuple[Any, Any]:
+    """vLLM's numpy resolver as it stands (no checks), for an honest baseline.
+
+    One vectorised expression per group and ref, reading each tensor's pointer
+    and stride per call; stride(0) is bytes only for int8 tensors, as in vLLM.
+    """
+    block_ids = device_spec.block_ids
+    group_sizes = device_spec.group_sizes
+    group_data_refs = kv_caches.group_data_refs
+    num_ops = sum(n * len(refs) for n, refs in zip(group_sizes, group_data_refs))
+    ptrs = np.empty(num_ops, dtype=np.uint64)
+    sizes = np.empty(num_ops, dtype=np.uint64)
+    first_id = 0
+    op = 0
+    for n_blocks, refs in zip(group_sizes, group_data_refs):
+        if n_blocks == 0:
+            continue
+        group_ids = block_ids[first_id : first_id + n_blocks].astype(np.uint64)
+        for ref in refs:
+            tensor = kv_caches.tensors[ref.tensor_idx].tensor
+            base_ptr = np.uint64(tensor.data_ptr())
+            row_stride = np.uint64(tensor.stride(0))
+            ptrs[op : op + n_blocks] = base_ptr + group_ids * row_stride
+            sizes[op : op + n_blocks] = ref.page_size_bytes
+            op += n_blocks
+        first_id += n_blocks
+    return ptrs, sizes

@@ -1,0 +1,280 @@
+"""Reading and checking what callers pass in: tensors, refs, specs, buffers.
+
+These helpers turn duck-typed Python objects into the plain integers and
+contiguous arrays that the kernels take, and raise the errors of SPEC section 7
+when something is wrong. They are shared by the compiled path and by
+``ptrres.reference``, so both accept and reject exactly the same input.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import InputTypeError, LayoutError, OutBufferError, SpecError
+
+_INT32 = np.dtype(np.int32)
+_INT64 = np.dtype(np.int64)
+_UINT64 = np.dtype(np.uint64)
+ID_DTYPES = (_INT32, _INT64)
+OUT_DTYPES = (_INT64, _UINT64)
+
+
+class TensorGeometry(NamedTuple):
+    """Where a tensor's rows (blocks) lie in memory, in bytes."""
+
+    base_ptr: int
+    row_stride_bytes: int
+    num_blocks: int
+    # Bytes of one row's elements; the stride may be larger (padding).
+    row_bytes: int
+
+
+class RefRow(NamedTuple):
+    """One ref of one group, resolved against its tensor."""
+
+    base_ptr: int
+    row_stride_bytes: int
+    page_size_bytes: int
+    num_blocks: int
+    tensor_idx: int
+
+
+def as_int(value: Any, what: str, *what_args: object) -> int:
+    """Return ``value`` as a Python int, or raise InputTypeError.
+
+    ``what`` names the value; it is formatted with ``what_args`` only when an
+    error is raised, so that a hot loop pays nothing for the message.
+    """
+    if type(value) is int:
+        return value
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    name = what.format(*what_args)
+    raise InputTypeError(
+        f"{name} must be an integer, got {type(value).__name__} {value!r}"
+    )
+
+
+def tensor_geometry(tensor: Any, tensor_idx: int) -> TensorGeometry:
+    """Read the geometry of a torch tensor (any device) or a numpy array."""
+    if isinstance(tensor, np.ndarray):
+        shape: tuple[Any, ...] = tensor.shape
+        base_ptr = tensor.__array_interface__["data"][0]
+        row_stride_bytes = tensor.strides[0] if shape else 0
+        element_size = tensor.itemsize
+    elif hasattr(tensor, "data_ptr"):
+        shape = tensor.shape
+        base_ptr = as_int(
+            tensor.data_ptr(), "tensors[{}].tensor.data_ptr()", tensor_idx
+        )
+        element_size = as_int(
+            tensor.element_size(), "tensors[{}].tensor.element_size()", tensor_idx
+        )
+        row_stride_bytes = element_size * (
+            as_int(tensor.stride(0), "tensors[{}].tensor.stride(0)", tensor_idx)
+            if len(shape)
+            else 0
+        )
+    else:
+        raise InputTypeError(
+            f"tensors[{tensor_idx}].tensor must be a torch tensor or a numpy array, "
+            f"got {type(tensor).__name__}"
+        )
+    if not len(shape):
+        raise LayoutError(
+            f"tensors[{tensor_idx}].tensor is 0-d; its first dimension must be blocks"
+        )
+    if row_stride_bytes < 0:
+        raise LayoutError(
+            f"tensors[{tensor_idx}].tensor has a negative row stride "
+            f"({row_stride_bytes} B)"
+        )
+    row_bytes = math.prod(shape[1:]) * element_size
+    return TensorGeometry(base_ptr, row_stride_bytes, int(shape[0]), int(row_bytes))
+
+
+def read_layout(kv_caches: Any) -> list[list[RefRow]]:
+    """For each group of a CanonicalKVCaches, its refs resolved to their tensors.
+
+    Checks the layout as it goes: tensor_idx in range, every page within a row.
+    """
+    geometries = [
+        tensor_geometry(getattr(entry, "tensor", None), t)
+        for t, entry in enumerate(kv_caches.tensors)
+    ]
+    groups = []
+    for group, refs in enumerate(kv_caches.group_data_refs):
+        rows = []
+        for d, ref in enumerate(refs):
+            tensor_idx = as_int(
+                ref.tensor_idx, "group {}, ref {}: tensor_idx", group, d
+            )
+            if not 0 <= tensor_idx < len(geometries):
+                raise LayoutError(
+                    f"group {group}, ref {d}: tensor_idx {tensor_idx} is out of "
+                    f"range (there are {len(geometries)} tensors)"
+                )
+            page_size = as_int(
+                ref.page_size_bytes, "group {}, ref {}: page_size_bytes", group, d
+            )
+            geometry = geometries[tensor_idx]
+            if not 0 <= page_size <= min(geometry.row_stride_bytes, geometry.row_bytes):
+                raise LayoutError(
+                    _page_error(page_size, geometry, group, d, tensor_idx)
+                )
+            rows.append(
+                RefRow(
+                    geometry.base_ptr,
+                    geometry.row_stride_bytes,
+                    page_size,
+                    geometry.num_blocks,
+                    tensor_idx,
+                )
+            )
+        groups.append(rows)
+    return groups
+
+
+def _page_error(
+    page_size: int, geometry: TensorGeometry, group: int, d: int, tensor_idx: int
+) -> str:
+    where = f"group {group}, ref {d} (tensor {tensor_idx}): page_size_bytes {page_size}"
+    if page_size < 0:
+        return f"{where} is negative"
+    if page_size > geometry.row_stride_bytes:
+        return f"{where} is larger than the row stride ({geometry.row_stride_bytes} B)"
+    return (
+        f"{where} is larger than a row ({geometry.row_bytes} B): the last "
+        "block's page would end outside the tensor"
+    )
+
+
+def as_block_ids(block_ids: Any, what: str = "block_ids") -> npt.NDArray[Any]:
+    """Return block ids as a C-contiguous 1-D int32 or int64 array.
+
+    Other integer dtypes become int64; values int64 cannot hold are rejected.
+    """
+    if isinstance(block_ids, np.ndarray):
+        ids = block_ids
+    else:
+        try:
+            ids = np.asarray(block_ids)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InputTypeError(f"{what} is not an integer array: {exc}") from None
+        if ids.size == 0 and ids.dtype.kind == "f":
+            ids = ids.astype(np.int64)  # numpy reads [] as float64
+    if ids.dtype.kind not in "iu":
+        raise InputTypeError(f"{what} must be integers, got dtype {ids.dtype}")
+    if ids.ndim != 1:
+        raise InputTypeError(
+            f"{what} must be 1-D, got a {ids.ndim}-D array of shape {ids.shape}"
+        )
+    if ids.dtype not in ID_DTYPES:
+        if ids.dtype == np.uint64 and ids.size and int(ids.max()) > 2**63 - 1:
+            position = int(np.argmax(ids > 2**63 - 1))
+            raise InputTypeError(
+                f"{what}[{position}] = {int(ids[position])} does not fit in int64"
+            )
+        ids = ids.astype(np.int64)
+    return np.ascontiguousarray(ids)
+
+
+def as_group_sizes(
+    group_sizes: Any, n_groups: int, n_block_ids: int
+) -> npt.NDArray[np.int64]:
+    """Check a spec's group sizes against the layout and the ids; return int64."""
+    sizes = _as_int_array(group_sizes, "group_sizes")
+    if len(sizes) != n_groups:
+        raise SpecError(
+            f"group_sizes has {len(sizes)} entries but the KV caches have "
+            f"{n_groups} groups"
+        )
+    negative = np.flatnonzero(sizes < 0)
+    if len(negative):
+        group = int(negative[0])
+        raise SpecError(f"group {group}: group size {int(sizes[group])} is negative")
+    total = int(sizes.sum(dtype=np.uint64))  # no wrap: every size is >= 0
+    if total != n_block_ids:
+        raise SpecError(
+            f"group sizes sum to {total} but there are {n_block_ids} block ids"
+        )
+    return sizes
+
+
+def as_block_indices(block_indices: Any, n_groups: int) -> tuple[int, ...]:
+    """Check a spec's block indices (one per group, each >= 0); return ints."""
+    indices = _as_int_array(block_indices, "block_indices")
+    if len(indices) != n_groups:
+        raise SpecError(
+            f"block_indices has {len(indices)} entries but the KV caches have "
+            f"{n_groups} groups"
+        )
+    negative = np.flatnonzero(indices < 0)
+    if len(negative):
+        group = int(negative[0])
+        raise SpecError(f"group {group}: block index {int(indices[group])} is negative")
+    return tuple(int(i) for i in indices)
+
+
+def _as_int_array(values: Any, what: str) -> npt.NDArray[np.int64]:
+    """A 1-D int64 array from a sequence of ints; no silent float truncation."""
+    if isinstance(values, (str, bytes)) or values is None:
+        raise InputTypeError(f"{what} must be a sequence of ints, got {values!r}")
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InputTypeError(f"{what} must be a sequence of ints: {exc}") from None
+    if array.ndim != 1:
+        raise InputTypeError(f"{what} must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, np.int64)
+    if array.dtype.kind not in "iu":
+        raise InputTypeError(f"{what} must be integers, got {values!r}")
+    if array.dtype == np.uint64 and int(array.max()) > 2**63 - 1:
+        raise SpecError(f"{what} holds {int(array.max())}, which is too large")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def out_view(buffer: Any, n_ops: int, what: str) -> npt.NDArray[np.uint64]:
+    """The first n_ops entries of a caller's out= buffer, as a uint64 view.
+
+    The buffer must be a writable, C-contiguous 1-D int64 or uint64 numpy array
+    (a torch tensor's ``.numpy()`` is one) with at least n_ops entries.
+    """
+    if type(buffer) is np.ndarray and buffer.ndim == 1 and len(buffer) >= n_ops:
+        flags = buffer.flags
+        if flags.writeable and flags.c_contiguous:
+            if buffer.dtype is _UINT64:
+                return buffer if len(buffer) == n_ops else buffer[:n_ops]
+            if buffer.dtype is _INT64:
+                return buffer[:n_ops].view(np.uint64)
+    return _checked_out_view(buffer, n_ops, what)
+
+
+def _checked_out_view(buffer: Any, n_ops: int, what: str) -> npt.NDArray[np.uint64]:
+    if not isinstance(buffer, np.ndarray):
+        raise InputTypeError(
+            f"{what} must be a numpy array (for a torch tensor, pass "
+            f"tensor.numpy()), got {type(buffer).__name__}"
+        )
+    if buffer.dtype not in OUT_DTYPES:
+        raise InputTypeError(f"{what} must be int64 or uint64, got {buffer.dtype}")
+    if buffer.ndim != 1:
+        raise InputTypeError(f"{what} must be 1-D, got shape {buffer.shape}")
+    if len(buffer) < n_ops:
+        raise OutBufferError(
+            f"{what} holds {len(buffer)} entries but this transfer has {n_ops} ops"
+        )
+    if not buffer.flags.writeable:
+        raise OutBufferError(f"{what} is read-only")
+    if not buffer.flags.c_contiguous:
+        raise OutBufferError(f"{what} is not contiguous")
+    return buffer[:n_ops].view(np.uint64)

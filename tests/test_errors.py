@@ -1,0 +1,291 @@
+"""Bad input (SPEC section 7): a clear error, nothing lost, the next call works."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same_pointers, random_tensor
+
+import ptrres
+from ptrres import reference
+
+RESOLVERS = {
+    "table": lambda spec, kv: ptrres.PointerTable(kv).resolve(spec),
+    "drop-in": ptrres.resolve_device_pointers,
+    "reference": reference.resolve_device_pointers,
+}
+
+
+@pytest.fixture(params=list(RESOLVERS))
+def resolve(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    return RESOLVERS[request.param]
+
+
+@pytest.fixture
+def kv() -> ptrres.CanonicalKVCaches:
+    """Group 0: tensors 0 (10 blocks) and 1 (6 blocks); group 1: tensor 1."""
+    tensors = [
+        random_tensor(10, 16, 0, torch.int8, 0),
+        random_tensor(6, 16, 0, torch.int8, 1),
+    ]
+    return ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(t, 16) for t in tensors],
+        [
+            [ptrres.CanonicalKVCacheRef(0, 16), ptrres.CanonicalKVCacheRef(1, 16)],
+            [ptrres.CanonicalKVCacheRef(1, 8)],
+        ],
+    )
+
+
+def good_spec() -> ptrres.GPULoadStoreSpec:
+    return ptrres.GPULoadStoreSpec(np.array([1, 2, 3]), [2, 1], [0, 0])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_negative_block_id(resolve, kv, dtype) -> None:  # type: ignore[no-untyped-def]
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2, -1], dtype), [2, 1], [0, 0])
+    with pytest.raises(
+        ptrres.BlockIdError, match=r"group 1, position 0.*block id -1"
+    ) as info:
+        resolve(spec, kv)
+    assert (info.value.group, info.value.position, info.value.value) == (1, 0, -1)
+    assert isinstance(info.value, ValueError)
+    assert_same_pointers(
+        resolve(good_spec(), kv), reference.resolve_device_pointers(good_spec(), kv)
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_block_id_past_the_tensor(resolve, kv, dtype) -> None:  # type: ignore[no-untyped-def]
+    # 7 fits tensor 0 (10 blocks) but not tensor 1 (6 blocks), ref 1 of group 0.
+    spec = ptrres.GPULoadStoreSpec(np.array([3, 7, 0], dtype), [2, 1], [0, 0])
+    with pytest.raises(
+        ptrres.BlockIdError,
+        match=r"group 0, position 1.*block id 7.*ref 1.*tensor 1 has 6 blocks",
+    ) as info:
+        resolve(spec, kv)
+    assert (info.value.group, info.value.position, info.value.value) == (0, 1, 7)
+    assert_same_pointers(
+        resolve(good_spec(), kv), reference.resolve_device_pointers(good_spec(), kv)
+    )
+
+
+def test_block_id_error_clears_out_buffers_and_keeps_the_rest(kv) -> None:  # type: ignore[no-untyped-def]
+    ptrs = np.full(8, 5, np.int64)
+    sizes = np.full(8, 5, np.uint64)
+    spec = ptrres.GPULoadStoreSpec(np.array([3, 70, 0]), [2, 1], [0, 0])
+    block_ids_before = spec.block_ids.copy()
+    table = ptrres.PointerTable(kv)
+    with pytest.raises(ptrres.BlockIdError, match="block id 70"):
+        table.resolve(spec, out=(ptrs, sizes))
+    # No pointer computed from a bad id survives; entries past the ops are kept.
+    assert ptrs.tolist() == [0] * 5 + [5] * 3
+    assert sizes.tolist() == [0] * 5 + [5] * 3
+    np.testing.assert_array_equal(spec.block_ids, block_ids_before)
+    good = table.resolve(good_spec(), out=(ptrs, sizes))
+    assert_same_pointers(good, reference.resolve_device_pointers(good_spec(), kv))
+
+
+@pytest.mark.parametrize(
+    ("group_sizes", "block_indices", "pattern"),
+    [
+        ([2, 2], [0, 0], "sum to 4 but there are 3 block ids"),
+        ([4, -1], [0, 0], "group 1: group size -1 is negative"),
+        ([3], [0], "group_sizes has 1 entries but the KV caches have 2 groups"),
+        ([2, 1], [0], "block_indices has 1 entries but the KV caches have 2 groups"),
+        ([2, 1, 0], [0, 0, 0], "group_sizes has 3 entries"),
+        ([2, 1], [0, -3], "group 1: block index -3 is negative"),
+    ],
+)
+def test_inconsistent_spec(resolve, kv, group_sizes, block_indices, pattern) -> None:  # type: ignore[no-untyped-def]
+    spec = SimpleNamespace(
+        block_ids=np.array([1, 2, 3]),
+        group_sizes=group_sizes,
+        block_indices=block_indices,
+    )
+    with pytest.raises(ptrres.SpecError, match=pattern):
+        resolve(spec, kv)
+    assert len(resolve(good_spec(), kv).ptrs) == 5
+
+
+@pytest.mark.parametrize(
+    ("group_sizes", "pattern"),
+    [
+        ([2.0, 1], "group_sizes must be integers"),
+        ("21", "sequence of ints"),
+        (None, "sequence of ints"),
+    ],
+)
+def test_group_sizes_that_are_not_ints(resolve, kv, group_sizes, pattern) -> None:  # type: ignore[no-untyped-def]
+    spec = SimpleNamespace(
+        block_ids=np.array([1, 2, 3]), group_sizes=group_sizes, block_indices=[0, 0]
+    )
+    with pytest.raises(ptrres.InputTypeError, match=pattern):
+        resolve(spec, kv)
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "pattern"),
+    [
+        (np.array([1.0, 2.0, 3.0]), "block_ids must be integers, got dtype float64"),
+        (np.array([[1, 2, 3]]), "block_ids must be 1-D, got a 2-D array of shape"),
+        (np.array(3), "block_ids must be 1-D, got a 0-D array"),
+        (["1", "2", "3"], "block_ids must be integers"),
+        (
+            np.array([1, 2, 3], dtype=object),
+            "block_ids must be integers, got dtype object",
+        ),
+        (
+            np.array([1, 2**63, 3], dtype=np.uint64),
+            r"block_ids\[1\] = 9223372036854775808 does not fit",
+        ),
+        (None, "block_ids must be integers"),
+    ],
+)
+def test_block_ids_that_are_not_a_1d_integer_array(
+    resolve, kv, block_ids, pattern
+) -> None:  # type: ignore[no-untyped-def]
+    spec = SimpleNamespace(
+        block_ids=block_ids, group_sizes=[2, 1], block_indices=[0, 0]
+    )
+    with pytest.raises(ptrres.InputTypeError, match=pattern) as info:
+        resolve(spec, kv)
+    assert isinstance(info.value, TypeError)
+
+
+def test_other_integer_dtypes_and_strided_ids_are_accepted(resolve, kv) -> None:  # type: ignore[no-untyped-def]
+    expected = reference.resolve_device_pointers(good_spec(), kv)
+    for block_ids in (
+        np.array([1, 2, 3], np.uint8),
+        np.array([1, 9, 2, 9, 3])[::2],
+        [1, 2, 3],
+    ):
+        spec = SimpleNamespace(
+            block_ids=block_ids, group_sizes=(2, 1), block_indices=(0, 0)
+        )
+        assert_same_pointers(resolve(spec, kv), expected)
+
+
+def test_tensor_idx_out_of_range(resolve, kv) -> None:  # type: ignore[no-untyped-def]
+    kv.group_data_refs[1].append(ptrres.CanonicalKVCacheRef(2, 8))
+    with pytest.raises(
+        ptrres.LayoutError, match="group 1, ref 1: tensor_idx 2 is out of range"
+    ):
+        resolve(good_spec(), kv)
+    kv.group_data_refs[1][1] = ptrres.CanonicalKVCacheRef(-1, 8)
+    with pytest.raises(ptrres.LayoutError, match="tensor_idx -1 is out of range"):
+        resolve(good_spec(), kv)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "pattern"),
+    [
+        (-1, "page_size_bytes -1 is negative"),
+        (17, "larger than the row stride \\(16 B\\)"),
+        (1.5, "page_size_bytes must be an integer"),
+    ],
+)
+def test_page_size_outside_the_row(resolve, kv, page_size, pattern) -> None:  # type: ignore[no-untyped-def]
+    kv.group_data_refs[0][1] = ptrres.CanonicalKVCacheRef(1, page_size)
+    with pytest.raises((ptrres.LayoutError, ptrres.InputTypeError), match=pattern):
+        resolve(good_spec(), kv)
+
+
+def test_page_wider_than_a_padded_row(resolve) -> None:  # type: ignore[no-untyped-def]
+    """A page within the stride but past the row's elements would leave the tensor."""
+    tensor = random_tensor(4, 8, 4, torch.int8, 0)  # 8-byte rows, 12-byte stride
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 12)],
+        [[ptrres.CanonicalKVCacheRef(0, 10)]],
+    )
+    with pytest.raises(ptrres.LayoutError, match=r"larger than a row \(8 B\)"):
+        resolve(ptrres.GPULoadStoreSpec([3]), kv)
+
+
+def test_tensors_that_are_not_tensors(resolve, kv) -> None:  # type: ignore[no-untyped-def]
+    kv.tensors[1] = ptrres.CanonicalKVCacheTensor([[1, 2]], 16)
+    with pytest.raises(
+        ptrres.InputTypeError,
+        match=r"tensors\[1\].tensor must be a torch tensor or a numpy array, got list",
+    ):
+        resolve(good_spec(), kv)
+    kv.tensors[1] = ptrres.CanonicalKVCacheTensor(torch.tensor(3), 16)
+    with pytest.raises(ptrres.LayoutError, match=r"tensors\[1\].tensor is 0-d"):
+        resolve(good_spec(), kv)
+
+
+@pytest.mark.parametrize(
+    ("buffer", "error", "pattern"),
+    [
+        (
+            np.zeros(4, np.int64),
+            ptrres.OutBufferError,
+            r"out\[0\] \(ptrs\) holds 4 entries but this transfer has 5 ops",
+        ),
+        (
+            np.zeros(5, np.int32),
+            ptrres.InputTypeError,
+            "must be int64 or uint64, got int32",
+        ),
+        (
+            np.zeros(5, np.float64),
+            ptrres.InputTypeError,
+            "must be int64 or uint64, got float64",
+        ),
+        (
+            np.zeros((5, 1), np.int64),
+            ptrres.InputTypeError,
+            r"must be 1-D, got shape \(5, 1\)",
+        ),
+        (np.zeros(10, np.int64)[::2], ptrres.OutBufferError, "is not contiguous"),
+        (
+            torch.zeros(5, dtype=torch.int64),
+            ptrres.InputTypeError,
+            r"pass tensor.numpy\(\)",
+        ),
+    ],
+)
+def test_bad_out_buffers(kv, buffer, error, pattern) -> None:  # type: ignore[no-untyped-def]
+    table = ptrres.PointerTable(kv)
+    with pytest.raises(error, match=pattern):
+        table.resolve(good_spec(), out=(buffer, np.zeros(5, np.int64)))
+    assert (
+        len(
+            table.resolve(
+                good_spec(), out=(np.zeros(5, np.int64), np.zeros(5, np.uint64))
+            ).ptrs
+        )
+        == 5
+    )
+
+
+def test_read_only_out_buffer(kv) -> None:  # type: ignore[no-untyped-def]
+    sizes = np.zeros(5, np.uint64)
+    sizes.flags.writeable = False
+    with pytest.raises(ptrres.OutBufferError, match=r"out\[1\] \(sizes\) is read-only"):
+        ptrres.PointerTable(kv).resolve(good_spec(), out=(np.zeros(5, np.int64), sizes))
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [0, -2, 1.5, "4"])
+def test_bad_blocks_per_chunk(kv, blocks_per_chunk) -> None:  # type: ignore[no-untyped-def]
+    device_ptrs = ptrres.resolve_device_pointers(good_spec(), kv)
+    for iterate in (ptrres.iter_pointer_groups, reference.iter_pointer_groups):
+        with pytest.raises(
+            (ptrres.SpecError, ptrres.InputTypeError), match="blocks_per_chunk"
+        ):
+            list(iterate(device_ptrs, blocks_per_chunk))
+
+
+def test_every_error_is_a_ptrres_error_and_a_value_or_type_error() -> None:
+    for name in ptrres.__all__:
+        obj = getattr(ptrres, name)
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, Exception)
+            and obj is not ptrres.PtrresError
+        ):
+            assert issubclass(obj, ptrres.PtrresError)
+            assert issubclass(obj, (ValueError, TypeError))
