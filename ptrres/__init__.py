@@ -3,8 +3,10 @@
 A checked, compiled drop-in for ``vllm.v1.kv_offload.pointer_utils``.
 """
 
+from ._coalesce import coalesce
 from ._errors import (
     BlockIdError,
+    DevicePointerError,
     InputTypeError,
     LayoutError,
     OffloadedIdError,
@@ -12,6 +14,7 @@ from ._errors import (
     PtrresError,
     SpecError,
 )
+from ._offloaded import OffloadedLayout
 from ._pointer_utils import (
     clear_table_cache,
     iter_pointer_groups,
@@ -25,6 +28,7 @@ from ._types import (
     DevicePointerGroupInfo,
     DevicePointers,
     GPULoadStoreSpec,
+    TransferPlan,
 )
 from ._warmup import CompiledKernel, WarmupReport, warmup
 
@@ -36,18 +40,22 @@ __all__ = [
     "CanonicalKVCacheTensor",
     "CanonicalKVCaches",
     "CompiledKernel",
+    "DevicePointerError",
     "DevicePointerGroupInfo",
     "DevicePointers",
     "GPULoadStoreSpec",
     "InputTypeError",
     "LayoutError",
     "OffloadedIdError",
+    "OffloadedLayout",
     "OutBufferError",
     "PointerTable",
     "PtrresError",
     "SpecError",
+    "TransferPlan",
     "WarmupReport",
     "clear_table_cache",
+    "coalesce",
     "iter_pointer_groups",
     "resolve_device_pointers",
     "warmup",

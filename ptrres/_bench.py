@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ._types import (
     CanonicalKVCacheRef,
@@ -76,6 +77,19 @@ class Preset:
     @property
     def num_refs(self) -> int:
         return self.num_groups * self.refs_per_group
+
+    def offloaded_tensors(
+        self, blocks_per_chunk: int, num_chunks: int = 8192
+    ) -> list[VirtualTensor]:
+        """Offloaded tensors aligned with kv_caches(): rows of bpc pages."""
+        kv = self.kv_caches(num_blocks=1)
+        tensors = []
+        address = VIRTUAL_BASE // 2
+        for entry in kv.tensors:
+            row = blocks_per_chunk * entry.tensor.shape[1]
+            tensors.append(VirtualTensor(address, num_chunks, row))
+            address += -(-(num_chunks * row) // VIRTUAL_ALIGN) * VIRTUAL_ALIGN
+        return tensors
 
     def kv_caches(self, num_blocks: int = 32768) -> CanonicalKVCaches:
         """The layout over virtual tensors of ``num_blocks`` blocks each."""
@@ -183,6 +197,24 @@ def make_spec(
     )
 
 
+def make_offloaded_ids(
+    spec: GPULoadStoreSpec,
+    blocks_per_chunk: int,
+    *,
+    num_chunks: int = 8192,
+    seed: int = 1,
+) -> npt.NDArray[np.int64]:
+    """Chunk ids for a spec: each group's chunks consecutive from a random start."""
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    for n, index in zip(spec.group_sizes, spec.block_indices):
+        if n:
+            count = -(-(n + index % blocks_per_chunk) // blocks_per_chunk)
+            start = int(rng.integers(0, num_chunks - count))
+            ids.extend(range(start, start + count))
+    return np.array(ids, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class Timing:
     """Seconds per call of one contender: the median of interleaved rounds."""
@@ -264,3 +296,51 @@ def vllm_style_resolve(device_spec: Any, kv_caches: Any) -> tuple[Any, Any]:
             op += n_blocks
         first_id += n_blocks
     return ptrs, sizes
+
+
+def vllm_style_plan(
+    device_spec: Any,
+    kv_caches: Any,
+    offloaded_tensors: Sequence[Any],
+    blocks_per_chunk: int,
+    offloaded_ids: Any,
+    store: bool,
+) -> tuple[Any, Any, Any]:
+    """vLLM 0.33's numpy descriptor fill (direct layout), without checks.
+
+    Resolve the device side, then for each group, each ref and each side, one
+    vectorised expression.
+    """
+    ptrs, sizes = vllm_style_resolve(device_spec, kv_caches)
+    src = np.empty(len(ptrs), dtype=np.uint64)
+    dst = np.empty(len(ptrs), dtype=np.uint64)
+    op = 0
+    first_chunk = 0
+    for n_blocks, block_index, refs in zip(
+        device_spec.group_sizes, device_spec.block_indices, kv_caches.group_data_refs
+    ):
+        if n_blocks == 0:
+            continue
+        skip = block_index % blocks_per_chunk
+        n_chunks = -(-(n_blocks + skip) // blocks_per_chunk)
+        group_chunks = offloaded_ids[first_chunk : first_chunk + n_chunks]
+        first_chunk += n_chunks
+        j = skip + np.arange(n_blocks)
+        chunk = group_chunks[j // blocks_per_chunk].astype(np.uint64)
+        sub_block = (j % blocks_per_chunk).astype(np.uint64)
+        for ref in refs:
+            cpu = offloaded_tensors[ref.tensor_idx]
+            sub_bytes = np.uint64(cpu.shape[1] // blocks_per_chunk)
+            cpu_ptrs = (
+                np.uint64(cpu.data_ptr())
+                + chunk * np.uint64(cpu.stride(0))
+                + sub_block * sub_bytes
+            )
+            if store:
+                src[op : op + n_blocks] = ptrs[op : op + n_blocks]
+                dst[op : op + n_blocks] = cpu_ptrs
+            else:
+                src[op : op + n_blocks] = cpu_ptrs
+                dst[op : op + n_blocks] = ptrs[op : op + n_blocks]
+            op += n_blocks
+    return src, dst, sizes

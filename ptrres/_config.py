@@ -49,4 +49,6 @@ def kernel(*signatures: str) -> Callable[[F], F]:
 
 def inline_helper(function: F) -> F:
     """Compile a function called only from kernels (compiled into its callers)."""
+    # Inlined in Numba's IR: LLVM does not inline across Numba functions, and
+    # a call in an inner loop costs more than the work it does.
     return numba.njit(**JIT_OPTIONS)(function)  # type: ignore[no-any-return]

@@ -36,8 +36,34 @@ class BlockIdError(PtrresError, ValueError):
         self.value = value
 
 
-class OffloadedIdError(BlockIdError):
-    """An offloaded chunk id is out of range, or there are too few or too many."""
+class OffloadedIdError(PtrresError, ValueError):
+    """An offloaded chunk id is out of range, or there are too few or too many.
+
+    Attributes:
+        group: the KV-cache group of the id (None when the count is wrong).
+        position: the id's position among its group's chunk ids (or None).
+        value: the id itself (or None).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        group: int | None = None,
+        position: int | None = None,
+        value: int | None = None,
+    ):
+        super().__init__(message)
+        self.group = group
+        self.position = position
+        self.value = value
+
+
+class DevicePointerError(BlockIdError):
+    """A resolved device pointer is not a block of its ref's tensor.
+
+    ``value`` is the pointer; ``position`` its position inside its group.
+    """
 
 
 class InputTypeError(PtrresError, TypeError):

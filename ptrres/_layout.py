@@ -17,11 +17,11 @@ import numpy.typing as npt
 
 from ._errors import InputTypeError, LayoutError, OutBufferError, SpecError
 
-_INT32 = np.dtype(np.int32)
-_INT64 = np.dtype(np.int64)
-_UINT64 = np.dtype(np.uint64)
-ID_DTYPES = (_INT32, _INT64)
-OUT_DTYPES = (_INT64, _UINT64)
+INT32 = np.dtype(np.int32)
+INT64 = np.dtype(np.int64)
+UINT64 = np.dtype(np.uint64)
+ID_DTYPES = (INT32, INT64)
+OUT_DTYPES = (INT64, UINT64)
 
 
 class TensorGeometry(NamedTuple):
@@ -63,8 +63,13 @@ def as_int(value: Any, what: str, *what_args: object) -> int:
     )
 
 
-def tensor_geometry(tensor: Any, tensor_idx: int) -> TensorGeometry:
-    """Read the geometry of a torch tensor (any device) or a numpy array."""
+def tensor_geometry(
+    tensor: Any, tensor_idx: int, name: str = "tensors[{}].tensor"
+) -> TensorGeometry:
+    """Read the geometry of a torch tensor (any device) or a numpy array.
+
+    ``name`` (formatted with ``tensor_idx``) names the tensor in errors.
+    """
     if isinstance(tensor, np.ndarray):
         shape: tuple[Any, ...] = tensor.shape
         base_ptr = tensor.__array_interface__["data"][0]
@@ -72,29 +77,27 @@ def tensor_geometry(tensor: Any, tensor_idx: int) -> TensorGeometry:
         element_size = tensor.itemsize
     elif hasattr(tensor, "data_ptr"):
         shape = tensor.shape
-        base_ptr = as_int(
-            tensor.data_ptr(), "tensors[{}].tensor.data_ptr()", tensor_idx
-        )
+        base_ptr = as_int(tensor.data_ptr(), name + ".data_ptr()", tensor_idx)
         element_size = as_int(
-            tensor.element_size(), "tensors[{}].tensor.element_size()", tensor_idx
+            tensor.element_size(), name + ".element_size()", tensor_idx
         )
         row_stride_bytes = element_size * (
-            as_int(tensor.stride(0), "tensors[{}].tensor.stride(0)", tensor_idx)
+            as_int(tensor.stride(0), name + ".stride(0)", tensor_idx)
             if len(shape)
             else 0
         )
     else:
         raise InputTypeError(
-            f"tensors[{tensor_idx}].tensor must be a torch tensor or a numpy array, "
+            f"{name.format(tensor_idx)} must be a torch tensor or a numpy array, "
             f"got {type(tensor).__name__}"
         )
     if not len(shape):
         raise LayoutError(
-            f"tensors[{tensor_idx}].tensor is 0-d; its first dimension must be blocks"
+            f"{name.format(tensor_idx)} is 0-d; its first dimension must be blocks"
         )
     if row_stride_bytes < 0:
         raise LayoutError(
-            f"tensors[{tensor_idx}].tensor has a negative row stride "
+            f"{name.format(tensor_idx)} has a negative row stride "
             f"({row_stride_bytes} B)"
         )
     row_bytes = math.prod(shape[1:]) * element_size
@@ -157,6 +160,86 @@ def _page_error(
     )
 
 
+class OffloadedGeometry(NamedTuple):
+    """Where the chunks (rows) of an offloaded tensor lie, in bytes."""
+
+    base_ptr: int
+    row_stride_bytes: int
+    # Bytes of one of the blocks_per_chunk sub-blocks of a row.
+    sub_bytes: int
+    num_chunks: int
+
+
+def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometry]:
+    """Check offloaded tensors (one row per chunk); return their geometry.
+
+    Each tensor may be given as is or as an object with a ``.tensor``
+    attribute (a CanonicalKVCacheTensor).
+    """
+    bpc = as_int(blocks_per_chunk, "blocks_per_chunk")
+    if bpc < 1:
+        raise LayoutError(f"blocks_per_chunk must be >= 1, got {bpc}")
+    geometries = []
+    for t, tensor in enumerate(tensors):
+        if not hasattr(tensor, "data_ptr") and hasattr(tensor, "tensor"):
+            tensor = tensor.tensor
+        geometry = tensor_geometry(tensor, t, "offloaded tensors[{}]")
+        if geometry.row_bytes % bpc:
+            raise LayoutError(
+                f"offloaded tensors[{t}]: a row of {geometry.row_bytes} B does not "
+                f"split into {bpc} sub-blocks"
+            )
+        if geometry.num_blocks > 1 and geometry.row_stride_bytes < geometry.row_bytes:
+            raise LayoutError(
+                f"offloaded tensors[{t}]: rows of {geometry.row_bytes} B overlap "
+                f"(row stride {geometry.row_stride_bytes} B)"
+            )
+        geometries.append(
+            OffloadedGeometry(
+                base_ptr=geometry.base_ptr,
+                row_stride_bytes=geometry.row_stride_bytes,
+                sub_bytes=geometry.row_bytes // bpc,
+                num_chunks=geometry.num_blocks,
+            )
+        )
+    return geometries
+
+
+def offloaded_rows(
+    groups: list[list[RefRow]], offloaded: list[OffloadedGeometry]
+) -> list[OffloadedGeometry]:
+    """The offloaded tensor of every ref, in copy order, checking that it fits.
+
+    Offloaded tensors are aligned with the device tensors by tensor_idx, and
+    every ref's page must fit in one sub-block of its offloaded tensor.
+    """
+    rows = []
+    for group, refs in enumerate(groups):
+        for d, ref in enumerate(refs):
+            if ref.tensor_idx >= len(offloaded):
+                raise LayoutError(
+                    f"group {group}, ref {d}: tensor {ref.tensor_idx} has no "
+                    f"offloaded tensor (there are {len(offloaded)})"
+                )
+            geometry = offloaded[ref.tensor_idx]
+            if ref.page_size_bytes > geometry.sub_bytes:
+                raise LayoutError(
+                    f"group {group}, ref {d}: a page of {ref.page_size_bytes} B does "
+                    f"not fit in a sub-block of offloaded tensors[{ref.tensor_idx}] "
+                    f"({geometry.sub_bytes} B)"
+                )
+            rows.append(geometry)
+    return rows
+
+
+def num_chunks(group_size: int, block_index: int, blocks_per_chunk: int) -> int:
+    """Offloaded chunks a group spans (0 for an empty group)."""
+    if group_size == 0:
+        return 0
+    skip = block_index % blocks_per_chunk
+    return -(-(group_size + skip) // blocks_per_chunk)
+
+
 def as_block_ids(block_ids: Any, what: str = "block_ids") -> npt.NDArray[Any]:
     """Return block ids as a C-contiguous 1-D int32 or int64 array.
 
@@ -184,7 +267,9 @@ def as_block_ids(block_ids: Any, what: str = "block_ids") -> npt.NDArray[Any]:
                 f"{what}[{position}] = {int(ids[position])} does not fit in int64"
             )
         ids = ids.astype(np.int64)
-    return np.ascontiguousarray(ids)
+    # The kernels take C-contiguous, aligned, writable arrays (Numba types
+    # read-only or unaligned arrays apart); they never write to the ids.
+    return ids if ids.flags.carray else np.array(ids, order="C")
 
 
 def as_group_sizes(
@@ -243,19 +328,38 @@ def _as_int_array(values: Any, what: str) -> npt.NDArray[np.int64]:
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
+def descriptor_array(values: Any, what: str) -> npt.NDArray[np.uint64]:
+    """Pointers or sizes given by a caller, as a contiguous 1-D uint64 array."""
+    if not isinstance(values, np.ndarray):
+        raise InputTypeError(
+            f"{what} must be a numpy array, got {type(values).__name__}"
+        )
+    if values.dtype not in OUT_DTYPES:
+        raise InputTypeError(f"{what} must be int64 or uint64, got {values.dtype}")
+    if values.ndim != 1:
+        raise InputTypeError(f"{what} must be 1-D, got shape {values.shape}")
+    if not values.flags.carray:  # read by the kernels, never written
+        values = np.array(values, order="C")
+    view: npt.NDArray[np.uint64] = values.view(np.uint64)
+    return view
+
+
 def out_view(buffer: Any, n_ops: int, what: str) -> npt.NDArray[np.uint64]:
     """The first n_ops entries of a caller's out= buffer, as a uint64 view.
 
     The buffer must be a writable, C-contiguous 1-D int64 or uint64 numpy array
     (a torch tensor's ``.numpy()`` is one) with at least n_ops entries.
     """
-    if type(buffer) is np.ndarray and buffer.ndim == 1 and len(buffer) >= n_ops:
-        flags = buffer.flags
-        if flags.writeable and flags.c_contiguous:
-            if buffer.dtype is _UINT64:
-                return buffer if len(buffer) == n_ops else buffer[:n_ops]
-            if buffer.dtype is _INT64:
-                return buffer[:n_ops].view(np.uint64)
+    if (
+        type(buffer) is np.ndarray
+        and buffer.ndim == 1
+        and len(buffer) >= n_ops
+        and buffer.flags.carray  # contiguous, aligned and writable
+    ):
+        if buffer.dtype is UINT64:
+            return buffer if len(buffer) == n_ops else buffer[:n_ops]
+        if buffer.dtype is INT64:
+            return buffer[:n_ops].view(np.uint64)
     return _checked_out_view(buffer, n_ops, what)
 
 
@@ -277,4 +381,6 @@ def _checked_out_view(buffer: Any, n_ops: int, what: str) -> npt.NDArray[np.uint
         raise OutBufferError(f"{what} is read-only")
     if not buffer.flags.c_contiguous:
         raise OutBufferError(f"{what} is not contiguous")
+    if not buffer.flags.aligned:
+        raise OutBufferError(f"{what} is not aligned to 8 bytes")
     return buffer[:n_ops].view(np.uint64)

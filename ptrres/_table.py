@@ -8,18 +8,33 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _kernels
-from ._errors import BlockIdError
+from ._errors import (
+    BlockIdError,
+    DevicePointerError,
+    InputTypeError,
+    OffloadedIdError,
+    SpecError,
+)
 from ._layout import (
     ID_DTYPES,
+    RefRow,
     as_block_ids,
     as_block_indices,
     as_group_sizes,
+    as_int,
+    descriptor_array,
+    num_chunks,
+    offloaded_rows,
     out_view,
     read_layout,
 )
-from ._types import DevicePointers
+from ._layout import (
+    INT64 as _INT64,
+)
+from ._offloaded import OffloadedLayout
+from ._types import DevicePointers, TransferPlan
 
-OutBuffers = tuple[npt.NDArray[Any], npt.NDArray[Any]]
+Buffers = tuple[npt.NDArray[Any], ...]
 
 
 class PointerTable:
@@ -28,7 +43,8 @@ class PointerTable:
     Building the table reads every tensor's data pointer and row stride once and
     checks the layout (tensor_idx in range, every page within its tensor's
     rows). The table holds plain integers, not the tensors: it must not outlive
-    the tensors' memory, and a re-allocated tensor needs a new table.
+    the tensors' memory, and a re-allocated tensor needs a new table. A table
+    may be shared by threads: its methods only read it.
 
     Args:
         kv_caches: a CanonicalKVCaches, or any object with ``tensors`` (each with
@@ -38,6 +54,7 @@ class PointerTable:
 
     def __init__(self, kv_caches: Any) -> None:
         groups = read_layout(kv_caches)
+        self._groups: tuple[tuple[RefRow, ...], ...] = tuple(map(tuple, groups))
         rows = [row for group in groups for row in group]
         # One row per (group, ref) in copy order; columns are _kernels.BASE_PTR...
         self.ref_table = np.array(rows, dtype=np.int64).reshape(
@@ -46,7 +63,13 @@ class PointerTable:
         # The refs of group g are rows group_ref_start[g]:group_ref_start[g + 1].
         self.group_ref_start = np.cumsum([0] + [len(g) for g in groups], dtype=np.int64)
         self.group_data_ref_counts: tuple[int, ...] = tuple(len(g) for g in groups)
+        # Bytes one block of group g copies, over all its refs.
+        self.group_page_bytes: tuple[int, ...] = tuple(
+            sum(ref.page_size_bytes for ref in group) for group in groups
+        )
         self.num_groups = len(groups)
+        # The offloaded layout last planned with, and its per-ref table.
+        self._offloaded: tuple[OffloadedLayout, npt.NDArray[np.int64]] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -54,15 +77,8 @@ class PointerTable:
             f"refs per group {self.group_data_ref_counts})"
         )
 
-    def num_ops(self, group_sizes: npt.NDArray[np.int64]) -> int:
-        """Copy ops of a transfer with these group sizes: sum of size x refs."""
-        return sum(
-            int(size) * refs
-            for size, refs in zip(group_sizes, self.group_data_ref_counts)
-        )
-
     def resolve(
-        self, device_spec: Any, *, out: OutBuffers | None = None
+        self, device_spec: Any, *, out: Buffers | None = None
     ) -> DevicePointers:
         """Resolve a spec's block ids to device pointers, checking every id.
 
@@ -71,27 +87,20 @@ class PointerTable:
                 ``group_sizes`` and ``block_indices``.
             out: optional ``(ptrs, sizes)`` buffers, 1-D int64 or uint64, at
                 least as long as the number of ops (numpy views of pinned
-                torch tensors, say). The result's arrays are then views of
-                them, and nothing is allocated.
+                torch tensors, say). The result's arrays are then uint64 views
+                of them, and nothing is allocated.
 
         Returns:
             DevicePointers with uint64 ``ptrs`` and ``sizes``, ordered group ->
             ref -> block.
 
         Raises:
-            BlockIdError: a block id is outside its tensor (out's entries are
-                then zeroed).
+            BlockIdError: a block id is outside its tensor (out's first
+                entries are then zeroed).
             SpecError, InputTypeError, OutBufferError: malformed input.
         """
-        block_ids = device_spec.block_ids
-        if not (
-            type(block_ids) is np.ndarray
-            and block_ids.dtype in ID_DTYPES
-            and block_ids.ndim == 1
-            and block_ids.flags.c_contiguous
-        ):
-            block_ids = as_block_ids(block_ids)
-        n_ops, group_sizes, block_indices = self._check_groups(
+        block_ids = _block_ids(device_spec.block_ids)
+        n_ops, _, group_sizes, block_indices = self._check_groups(
             device_spec.group_sizes, device_spec.block_indices, len(block_ids)
         )
         group_size_array = np.array(group_sizes, dtype=np.int64)
@@ -101,7 +110,7 @@ class PointerTable:
         else:
             ptrs = out_view(out[0], n_ops, "out[0] (ptrs)")
             sizes = out_view(out[1], n_ops, "out[1] (sizes)")
-        bad_op = _kernels.resolve_kernel(
+        status = _kernels.resolve_kernel(
             self.ref_table,
             self.group_ref_start,
             block_ids,
@@ -109,10 +118,10 @@ class PointerTable:
             ptrs,
             sizes,
         )
-        if bad_op >= 0:
+        if status < 0:
             ptrs[:] = 0
             sizes[:] = 0
-            raise self._block_id_error(int(bad_op), block_ids, group_size_array)
+            raise self._block_id_error(block_ids, group_sizes)
         return DevicePointers(
             ptrs=ptrs,
             sizes=sizes,
@@ -121,14 +130,225 @@ class PointerTable:
             block_indices=block_indices,
         )
 
+    def plan_transfer(
+        self,
+        device_spec: Any,
+        offloaded: OffloadedLayout,
+        offloaded_ids: Any,
+        *,
+        store: bool,
+        out: Buffers | None = None,
+        coalesce: bool = False,
+        max_run_bytes: int | None = None,
+    ) -> TransferPlan:
+        """Every copy descriptor of a store or a load, in one pass (SPEC 5).
+
+        Descriptors are ordered as in resolve(): group -> ref -> block. Device
+        block k of group g (ref d, tensor t) pairs with sub-block ``j % bpc``
+        of chunk ``offloaded_ids_of_g[j // bpc]``, where ``j = skip(g) + k``.
+
+        Args:
+            device_spec: the device blocks, as for resolve().
+            offloaded: the offloaded tensors, aligned with the device tensors.
+            offloaded_ids: chunk ids, consumed group by group: each non-empty
+                group takes the next n_chunks(g) ids.
+            store: True for device -> offloaded (src is the device side),
+                False for offloaded -> device.
+            out: optional ``(src, dst, sizes)`` buffers, 1-D int64 or uint64,
+                at least as long as the number of ops (before coalescing).
+                The plan's arrays are then uint64 views of them.
+            coalesce: merge descriptors that continue each other on both sides
+                in the same pass, as coalesce() does.
+            max_run_bytes: the largest merged descriptor, when coalescing.
+
+        Returns:
+            A TransferPlan (src, dst, sizes, num_bytes).
+
+        Raises:
+            BlockIdError, OffloadedIdError: an id out of range, or the wrong
+                number of offloaded ids (out's first entries are then zeroed).
+            SpecError, LayoutError, InputTypeError, OutBufferError: malformed
+                input.
+        """
+        block_ids = _block_ids(device_spec.block_ids)
+        n_ops, num_bytes, group_sizes, block_indices = self._check_groups(
+            device_spec.group_sizes, device_spec.block_indices, len(block_ids)
+        )
+        return self._plan(
+            block_ids,
+            group_sizes,
+            block_indices,
+            n_ops,
+            num_bytes,
+            offloaded,
+            offloaded_ids,
+            store=store,
+            out=out,
+            coalesce=coalesce,
+            max_run_bytes=max_run_bytes,
+        )
+
+    def plan_from_device_pointers(
+        self,
+        device_ptrs: Any,
+        offloaded: OffloadedLayout,
+        offloaded_ids: Any,
+        *,
+        store: bool,
+        out: Buffers | None = None,
+        coalesce: bool = False,
+        max_run_bytes: int | None = None,
+    ) -> TransferPlan:
+        """The plan of plan_transfer(), from already resolved device pointers.
+
+        This is vLLM's two-step flow (resolve, then walk the groups with
+        iter_pointer_groups) for callers that have resolved already. Every
+        pointer is checked: it must be a block of its ref's tensor, the same
+        block for every ref of its group, with the ref's page as its size.
+
+        Args:
+            device_ptrs: DevicePointers of this table's layout (any object with
+                its fields).
+            offloaded, offloaded_ids, store, out, coalesce, max_run_bytes: as
+                for plan_transfer().
+
+        Raises:
+            DevicePointerError: a pointer that is not a block of its tensor.
+            the errors of plan_transfer().
+        """
+        ref_counts = tuple(device_ptrs.group_data_ref_counts)
+        if ref_counts != self.group_data_ref_counts:
+            raise SpecError(
+                f"device_ptrs has refs per group {ref_counts}, but this table has "
+                f"{self.group_data_ref_counts}"
+            )
+        group_sizes_in = tuple(device_ptrs.group_block_counts)
+        n_block_ids = sum(as_int(n, "group_block_counts") for n in group_sizes_in)
+        n_ops, num_bytes, group_sizes, block_indices = self._check_groups(
+            group_sizes_in, tuple(device_ptrs.block_indices), n_block_ids
+        )
+        ptrs = descriptor_array(device_ptrs.ptrs, "device_ptrs.ptrs")
+        sizes = descriptor_array(device_ptrs.sizes, "device_ptrs.sizes")
+        if not len(ptrs) == len(sizes) == n_ops:
+            raise SpecError(
+                f"device_ptrs has {len(ptrs)} ptrs and {len(sizes)} sizes, but its "
+                f"groups make {n_ops} ops"
+            )
+        block_ids = np.empty(n_block_ids, np.int64)
+        group_size_array = np.array(group_sizes, dtype=np.int64)
+        bad_op = _kernels.block_ids_from_pointers(
+            self.ref_table,
+            self.group_ref_start,
+            group_size_array,
+            ptrs,
+            sizes,
+            block_ids,
+        )
+        if bad_op >= 0:
+            raise self._pointer_error(int(bad_op), ptrs, group_sizes)
+        return self._plan(
+            block_ids,
+            group_sizes,
+            block_indices,
+            n_ops,
+            num_bytes,
+            offloaded,
+            offloaded_ids,
+            store=store,
+            out=out,
+            coalesce=coalesce,
+            max_run_bytes=max_run_bytes,
+        )
+
+    def _plan(
+        self,
+        block_ids: npt.NDArray[Any],
+        group_sizes: tuple[int, ...],
+        block_indices: tuple[int, ...],
+        n_ops: int,
+        num_bytes: int,
+        offloaded: OffloadedLayout,
+        offloaded_ids: Any,
+        *,
+        store: bool,
+        out: Buffers | None,
+        coalesce: bool,
+        max_run_bytes: int | None,
+    ) -> TransferPlan:
+        """Check the offloaded side and run the plan kernel."""
+        if type(store) is not bool:
+            raise InputTypeError(f"store must be True or False, got {store!r}")
+        if type(coalesce) is not bool:
+            raise InputTypeError(f"coalesce must be True or False, got {coalesce!r}")
+        max_run = max_run_arg(max_run_bytes)
+        cached = self._offloaded
+        if cached is not None and cached[0] is offloaded:
+            offloaded_refs = cached[1]
+        else:
+            offloaded_refs = self._offloaded_refs(offloaded)
+        if block_ids.dtype is not _INT64:
+            block_ids = block_ids.astype(np.int64)
+        chunk_ids = _block_ids(offloaded_ids, "offloaded_ids")
+        if chunk_ids.dtype is not _INT64:
+            chunk_ids = chunk_ids.astype(np.int64)
+        if out is None:
+            src = np.empty(n_ops, np.uint64)
+            dst = np.empty(n_ops, np.uint64)
+            sizes = np.empty(n_ops, np.uint64)
+        else:
+            src = out_view(out[0], n_ops, "out[0] (src)")
+            dst = out_view(out[1], n_ops, "out[1] (dst)")
+            sizes = out_view(out[2], n_ops, "out[2] (sizes)")
+        written = _kernels.plan_kernel(
+            self.ref_table,
+            self.group_ref_start,
+            offloaded_refs,
+            block_ids,
+            np.array((group_sizes, block_indices), dtype=np.int64),
+            chunk_ids,
+            offloaded.blocks_per_chunk,
+            store,
+            coalesce,
+            max_run,
+            src,
+            dst,
+            sizes,
+        )
+        if written < 0:
+            src[:] = 0
+            dst[:] = 0
+            sizes[:] = 0
+            raise self._plan_error(
+                block_ids, group_sizes, block_indices, chunk_ids, offloaded
+            )
+        if written < n_ops:
+            src, dst, sizes = src[:written], dst[:written], sizes[:written]
+        return TransferPlan(src, dst, sizes, num_bytes)
+
+    def _offloaded_refs(self, offloaded: OffloadedLayout) -> npt.NDArray[np.int64]:
+        """The offloaded tensor of each ref (OFF_* columns), checked and cached."""
+        cached = self._offloaded
+        if cached is not None and cached[0] is offloaded:
+            return cached[1]
+        if not isinstance(offloaded, OffloadedLayout):
+            raise InputTypeError(
+                f"offloaded must be an OffloadedLayout, got {type(offloaded).__name__}"
+            )
+        rows = offloaded_rows(
+            [list(g) for g in self._groups], list(offloaded.geometries)
+        )
+        table = np.array(rows, dtype=np.int64).reshape(len(rows), _kernels.OFF_COLUMNS)
+        self._offloaded = (offloaded, table)
+        return table
+
     def _check_groups(
         self, group_sizes: Any, block_indices: Any, n_block_ids: int
-    ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    ) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
         """Check a spec's group sizes and block indices against the layout.
 
         Returns:
-            The number of ops, and the group sizes and block indices as tuples
-            of Python ints.
+            The number of ops, the bytes they copy, and the group sizes and
+            block indices as tuples of Python ints.
 
         The common case (sequences of Python ints, as vLLM passes) is checked
         in a plain loop; anything else goes through the thorough checks, which
@@ -136,9 +356,12 @@ class PointerTable:
         """
         try:
             if len(group_sizes) == len(block_indices) == self.num_groups:
-                n_ops = n_ids = 0
-                for size, refs, index in zip(
-                    group_sizes, self.group_data_ref_counts, block_indices
+                n_ops = n_ids = num_bytes = 0
+                for size, refs, page_bytes, index in zip(
+                    group_sizes,
+                    self.group_data_ref_counts,
+                    self.group_page_bytes,
+                    block_indices,
                 ):
                     if type(size) is not int or type(index) is not int:
                         break
@@ -146,39 +369,141 @@ class PointerTable:
                         break
                     n_ids += size
                     n_ops += size * refs
+                    num_bytes += size * page_bytes
                 else:
                     if n_ids == n_block_ids:
-                        return n_ops, tuple(group_sizes), tuple(block_indices)
+                        sizes_tuple = tuple(group_sizes)
+                        return n_ops, num_bytes, sizes_tuple, tuple(block_indices)
         except TypeError:
             pass
-        sizes = as_group_sizes(group_sizes, self.num_groups, n_block_ids)
+        sizes = tuple(
+            as_group_sizes(group_sizes, self.num_groups, n_block_ids).tolist()
+        )
         indices = as_block_indices(block_indices, self.num_groups)
-        return self.num_ops(sizes), tuple(sizes.tolist()), indices
+        n_ops = sum(n * r for n, r in zip(sizes, self.group_data_ref_counts))
+        num_bytes = sum(n * b for n, b in zip(sizes, self.group_page_bytes))
+        return n_ops, num_bytes, sizes, indices
 
     def _block_id_error(
-        self,
-        op: int,
-        block_ids: npt.NDArray[Any],
-        group_sizes: npt.NDArray[np.int64],
+        self, block_ids: npt.NDArray[Any], group_sizes: tuple[int, ...]
     ) -> BlockIdError:
-        """The error for the out-of-range block id of copy op ``op``."""
-        first_id = 0
-        for group, n_blocks in enumerate(group_sizes.tolist()):
+        """The error for the first out-of-range block id, in op order."""
+        bad = _first_out_of_range(
+            block_ids,
+            group_sizes,
+            [[ref.num_blocks for ref in group] for group in self._groups],
+        )
+        assert bad is not None, "the kernel reported an id that is in range"
+        group, d, position, value = bad
+        ref = self._groups[group][d]
+        return BlockIdError(
+            f"group {group}, position {position}: block id {value} is out of range "
+            f"for ref {d}, whose tensor {ref.tensor_idx} has {ref.num_blocks} blocks",
+            group=group,
+            position=position,
+            value=value,
+        )
+
+    def _plan_error(
+        self,
+        block_ids: npt.NDArray[Any],
+        group_sizes: tuple[int, ...],
+        block_indices: tuple[int, ...],
+        chunk_ids: npt.NDArray[np.int64],
+        offloaded: OffloadedLayout,
+    ) -> BlockIdError | OffloadedIdError:
+        """The error of a failed plan, checked in the reference's order."""
+        limits = [[ref.num_blocks for ref in group] for group in self._groups]
+        if _first_out_of_range(block_ids, group_sizes, limits) is not None:
+            return self._block_id_error(block_ids, group_sizes)
+        bpc = offloaded.blocks_per_chunk
+        chunks_per_group = [
+            num_chunks(n, i, bpc) for n, i in zip(group_sizes, block_indices)
+        ]
+        if len(chunk_ids) != sum(chunks_per_group):
+            return OffloadedIdError(
+                f"there are {len(chunk_ids)} offloaded ids, but the groups span "
+                f"{chunks_per_group} chunks (blocks_per_chunk={bpc}): "
+                f"{sum(chunks_per_group)} in all"
+            )
+        off_limits = [
+            [offloaded.geometries[ref.tensor_idx].num_chunks for ref in group]
+            for group in self._groups
+        ]
+        bad = _first_out_of_range(chunk_ids, tuple(chunks_per_group), off_limits)
+        assert bad is not None, "the kernel reported ids that are in range"
+        group, d, position, value = bad
+        tensor_idx = self._groups[group][d].tensor_idx
+        return OffloadedIdError(
+            f"group {group}, position {position}: offloaded id {value} is out of "
+            f"range for ref {d}, whose offloaded tensor {tensor_idx} has "
+            f"{off_limits[group][d]} chunks",
+            group=group,
+            position=position,
+            value=value,
+        )
+
+    def _pointer_error(
+        self, op: int, ptrs: npt.NDArray[np.uint64], group_sizes: tuple[int, ...]
+    ) -> DevicePointerError:
+        """The error for device pointer ``op``, which is not a block of its ref."""
+        for group, n_blocks in enumerate(group_sizes):
             group_ops = n_blocks * self.group_data_ref_counts[group]
             if op < group_ops:
                 d, position = divmod(op, n_blocks)
-                row = self.ref_table[int(self.group_ref_start[group]) + d]
-                value = int(block_ids[first_id + position])
-                return BlockIdError(
-                    f"group {group}, position {position} "
-                    f"(block_ids[{first_id + position}]): block id {value} is out "
-                    f"of range for ref {d}, whose tensor "
-                    f"{int(row[_kernels.TENSOR_IDX])} has "
-                    f"{int(row[_kernels.NUM_BLOCKS])} blocks",
+                ref = self._groups[group][d]
+                value = int(ptrs[op])
+                return DevicePointerError(
+                    f"group {group}, position {position}: device pointer 0x{value:x} "
+                    f"with its size is not a block of ref {d} (tensor "
+                    f"{ref.tensor_idx} at 0x{ref.base_ptr:x}, row stride "
+                    f"{ref.row_stride_bytes} B, {ref.num_blocks} blocks, page "
+                    f"{ref.page_size_bytes} B), or not the same block as ref 0's",
                     group=group,
                     position=position,
                     value=value,
                 )
             op -= group_ops
-            first_id += n_blocks
-        raise AssertionError("op index beyond the transfer")  # pragma: no cover
+        raise AssertionError("op index beyond the transfer")
+
+
+def max_run_arg(max_run_bytes: Any) -> int:
+    """max_run_bytes (None or an int >= 1), checked, as the kernels take it."""
+    if max_run_bytes is None:
+        return _kernels.NO_CAP
+    cap = as_int(max_run_bytes, "max_run_bytes")
+    if cap < 1:
+        raise SpecError(f"max_run_bytes must be >= 1, got {cap}")
+    return cap if cap < 2**63 else _kernels.NO_CAP
+
+
+def _block_ids(block_ids: Any, what: str = "block_ids") -> npt.NDArray[Any]:
+    """Block ids as the kernels take them; arrays that already fit pass as is."""
+    if (
+        type(block_ids) is np.ndarray
+        and block_ids.dtype in ID_DTYPES
+        and block_ids.ndim == 1
+        and block_ids.flags.carray  # contiguous, aligned and writable
+    ):
+        return block_ids
+    return as_block_ids(block_ids, what)
+
+
+def _first_out_of_range(
+    ids: npt.NDArray[Any], group_sizes: tuple[int, ...], limits: list[list[int]]
+) -> tuple[int, int, int, int] | None:
+    """The first (group, ref, position, id) with an id outside [0, limit).
+
+    ``ids`` are consumed group by group (group_sizes[g] each) and checked
+    against limits[g][d] for each ref d, in op order.
+    """
+    first = 0
+    for group, (n, group_limits) in enumerate(zip(group_sizes, limits)):
+        group_ids = ids[first : first + n]
+        for d, limit in enumerate(group_limits):
+            bad = np.flatnonzero((group_ids < 0) | (group_ids >= limit))
+            if len(bad):
+                position = int(bad[0])
+                return group, d, position, int(group_ids[position])
+        first += n
+    return None

@@ -105,6 +105,20 @@ class DevicePointers:
     block_indices: tuple[int, ...]
 
 
+@dataclass(eq=False)
+class TransferPlan:
+    """Copy descriptors of one transfer: copy sizes[i] bytes from src[i] to dst[i]."""
+
+    # Source pointer of each descriptor (uint64).
+    src: npt.NDArray[np.uint64]
+    # Destination pointer of each descriptor (uint64).
+    dst: npt.NDArray[np.uint64]
+    # Bytes of each descriptor (uint64).
+    sizes: npt.NDArray[np.uint64]
+    # Bytes the whole transfer copies: the sum of sizes.
+    num_bytes: int
+
+
 class DevicePointerGroupInfo(NamedTuple):
     """Where one non-empty group sits in DevicePointers and in offloaded chunks."""
 

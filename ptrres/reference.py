@@ -16,18 +16,26 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import BlockIdError, SpecError
+from ._errors import BlockIdError, InputTypeError, OffloadedIdError, SpecError
 from ._layout import (
     RefRow,
     as_block_ids,
     as_block_indices,
     as_group_sizes,
     as_int,
+    descriptor_array,
+    offloaded_rows,
     read_layout,
+    read_offloaded,
 )
-from ._types import DevicePointerGroupInfo, DevicePointers
+from ._types import DevicePointerGroupInfo, DevicePointers, TransferPlan
 
-__all__ = ["iter_pointer_groups", "resolve_device_pointers"]
+__all__ = [
+    "coalesce",
+    "iter_pointer_groups",
+    "plan_transfer",
+    "resolve_device_pointers",
+]
 
 
 def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> DevicePointers:
@@ -111,3 +119,116 @@ def iter_pointer_groups(
         )
         dev_ptr_offset += group_size * n_data_refs
     return iter(infos)
+
+
+def plan_transfer(
+    device_spec: Any,
+    kv_caches: Any,
+    offloaded_tensors: Any,
+    blocks_per_chunk: int,
+    offloaded_ids: Any,
+    *,
+    store: bool,
+) -> TransferPlan:
+    """Copy descriptors of a store or a load (SPEC 5), shaped like vLLM's fill.
+
+    Resolve the device side, walk the groups with iter_pointer_groups, and fill
+    each ref's offloaded pointers and both sides with one vectorised
+    expression each.
+    """
+    if type(store) is not bool:
+        raise InputTypeError(f"store must be True or False, got {store!r}")
+    layout = read_layout(kv_caches)
+    offloaded = offloaded_rows(
+        layout, read_offloaded(offloaded_tensors, blocks_per_chunk)
+    )
+    device_ptrs = resolve_device_pointers(device_spec, kv_caches)
+    chunk_ids = as_block_ids(offloaded_ids, "offloaded_ids")
+    groups = list(iter_pointer_groups(device_ptrs, blocks_per_chunk))
+    if len(chunk_ids) != sum(info.n_chunks for info in groups):
+        raise OffloadedIdError(
+            f"there are {len(chunk_ids)} offloaded ids, but the groups span "
+            f"{sum(info.n_chunks for info in groups)} chunks"
+        )
+
+    n_ops = len(device_ptrs.ptrs)
+    src = np.empty(n_ops, dtype=np.uint64)
+    dst = np.empty(n_ops, dtype=np.uint64)
+    sizes = device_ptrs.sizes.copy()
+    first_ref_of_group = np.cumsum([0] + [len(refs) for refs in layout])
+    first_chunk = 0
+    for info in groups:
+        group_chunks = chunk_ids[first_chunk : first_chunk + info.n_chunks]
+        first_chunk += info.n_chunks
+        j = info.skip + np.arange(info.group_size)
+        chunk = group_chunks[j // blocks_per_chunk].astype(np.uint64)
+        sub_block = (j % blocks_per_chunk).astype(np.uint64)
+        for d in range(info.n_data_refs):
+            geometry = offloaded[first_ref_of_group[info.group_idx] + d]
+            out_of_range = (group_chunks < 0) | (group_chunks >= geometry.num_chunks)
+            if out_of_range.any():
+                position = int(np.argmax(out_of_range))
+                value = int(group_chunks[position])
+                raise OffloadedIdError(
+                    f"group {info.group_idx}, position {position}: offloaded id "
+                    f"{value} is out of range for ref {d}",
+                    group=info.group_idx,
+                    position=position,
+                    value=value,
+                )
+            off_ptrs = (
+                np.uint64(geometry.base_ptr)
+                + chunk * np.uint64(geometry.row_stride_bytes)
+                + sub_block * np.uint64(geometry.sub_bytes)
+            )
+            first_op = info.dev_ptr_offset + d * info.group_size
+            ops = slice(first_op, first_op + info.group_size)
+            dev_ptrs = device_ptrs.ptrs[ops]
+            src[ops], dst[ops] = (dev_ptrs, off_ptrs) if store else (off_ptrs, dev_ptrs)
+    return TransferPlan(src, dst, sizes, int(sizes.sum(dtype=np.uint64)))
+
+
+def coalesce(
+    src: Any, dst: Any, sizes: Any, *, max_run_bytes: int | None = None
+) -> TransferPlan:
+    """Merge descriptors that continue each other on both sides (SPEC 6).
+
+    Without a cap, runs are found with one vectorised comparison; with one,
+    each descriptor is placed greedily, in order, in plain Python.
+    """
+    src = descriptor_array(src, "src")
+    dst = descriptor_array(dst, "dst")
+    sizes = descriptor_array(sizes, "sizes")
+    if not len(src) == len(dst) == len(sizes):
+        raise SpecError("src, dst and sizes differ in length")
+    num_bytes = int(sizes.sum(dtype=np.uint64))
+    cap = None if max_run_bytes is None else as_int(max_run_bytes, "max_run_bytes")
+    if cap is not None and cap < 1:
+        raise SpecError(f"max_run_bytes must be >= 1, got {cap}")
+    if len(sizes) == 0:
+        return TransferPlan(src.copy(), dst.copy(), sizes.copy(), num_bytes)
+    # i + 1 continues i when both ends meet, without wrapping around 2**64.
+    src_end = src[:-1] + sizes[:-1]
+    dst_end = dst[:-1] + sizes[:-1]
+    continues = (src_end == src[1:]) & (dst_end == dst[1:])
+    continues &= (src_end >= sizes[:-1]) & (dst_end >= sizes[:-1])
+    if cap is None:
+        starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+        return TransferPlan(
+            src[starts], dst[starts], np.add.reduceat(sizes, starts), num_bytes
+        )
+    out_src, out_dst, out_sizes = [int(src[0])], [int(dst[0])], [int(sizes[0])]
+    for i in range(1, len(sizes)):
+        size = int(sizes[i])
+        if continues[i - 1] and out_sizes[-1] + size <= cap:
+            out_sizes[-1] += size
+        else:
+            out_src.append(int(src[i]))
+            out_dst.append(int(dst[i]))
+            out_sizes.append(size)
+    return TransferPlan(
+        np.array(out_src, np.uint64),
+        np.array(out_dst, np.uint64),
+        np.array(out_sizes, np.uint64),
+        num_bytes,
+    )

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -11,10 +16,41 @@ import ptrres
 from ptrres._config import KERNELS
 
 
+def exercise_every_kernel(id_dtype: type, dtype: torch.dtype = torch.int8) -> None:
+    """Resolve, plan (both directions, merged or not), coalesce, from pointers."""
+    tensor = random_tensor(8, 4, 1, dtype, 0)
+    page = 4 * dtype.itemsize
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 0)],
+        [[ptrres.CanonicalKVCacheRef(0, page)], []],
+    )
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 2 * page), np.uint8)], 2)
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 7], id_dtype), [2, 0], [0, 0])
+    table = ptrres.PointerTable(kv)
+    for out_dtype in (np.int64, np.uint64):
+        out = tuple(np.zeros(2, out_dtype) for _ in range(3))
+        table.resolve(spec, out=out[:2])
+        for store in (True, False):
+            for merge in (True, False):
+                table.plan_transfer(
+                    spec, offloaded, np.array([2], id_dtype), store=store,
+                    coalesce=merge, out=out,
+                )  # fmt: skip
+        ptrres.coalesce(*out, max_run_bytes=64)
+    device_ptrs = ptrres.resolve_device_pointers(spec, kv)
+    table.plan_from_device_pointers(device_ptrs, offloaded, [2], store=True)
+
+
 def test_warmup_reports_every_kernel_signature() -> None:
     report = ptrres.warmup()
     expected = sum(len(signatures) for _, signatures in KERNELS)
-    assert len(report.kernels) == expected >= 2
+    assert len(report.kernels) == expected
+    assert {k.kernel for k in report.kernels} == {
+        "resolve_kernel",
+        "plan_kernel",
+        "coalesce_kernel",
+        "block_ids_from_pointers",
+    }
     hows = {k.how for k in report.kernels}
     if JIT_DISABLED:
         assert hows == {"interpreted"}
@@ -32,17 +68,8 @@ def test_no_compilation_after_warmup_whatever_the_dtypes() -> None:
     ptrres.warmup()
     before = {id(d): len(d.overloads) for d, _ in KERNELS}
     for dtype in (torch.int8, torch.bfloat16, torch.float16, torch.float32):
-        tensor = random_tensor(8, 4, 1, dtype, 0)
-        kv = ptrres.CanonicalKVCaches(
-            [ptrres.CanonicalKVCacheTensor(tensor, 0)],
-            [[ptrres.CanonicalKVCacheRef(0, 4 * dtype.itemsize)], []],
-        )
         for id_dtype in (np.int32, np.int64, np.uint8, np.int16, np.uint64):
-            spec = ptrres.GPULoadStoreSpec(np.array([1, 7], id_dtype), [2, 0], [0, 0])
-            for out_dtype in (np.int64, np.uint64):
-                out = (np.zeros(2, out_dtype), np.zeros(2, out_dtype))
-                ptrres.PointerTable(kv).resolve(spec, out=out)
-            ptrres.resolve_device_pointers(spec, kv)
+            exercise_every_kernel(id_dtype, dtype)
     assert {id(d): len(d.overloads) for d, _ in KERNELS} == before
     # The kernels are closed: a dtype nobody converted fails loudly.
     from ptrres import _kernels
@@ -52,3 +79,42 @@ def test_no_compilation_after_warmup_whatever_the_dtypes() -> None:
             np.zeros((1, 5), np.int64), np.zeros(2, np.int64), np.zeros(1, np.int16),
             np.ones(1, np.int64), np.zeros(1, np.uint64), np.zeros(1, np.uint64),
         )  # fmt: skip
+
+
+LAZY = """
+import json, sys
+import numpy as np
+sys.path.insert(0, "tests")
+from test_warmup import exercise_every_kernel
+from numba.core import sigutils
+from ptrres._config import KERNELS
+for id_dtype in (np.int32, np.int64):
+    exercise_every_kernel(id_dtype)
+mismatches = []
+for dispatcher, signatures in KERNELS:
+    declared = {sigutils.normalize_signature(s) for s in signatures}
+    declared = {(tuple(args), ret) for args, ret in declared}
+    for args, cres in dispatcher.overloads.items():
+        if (tuple(args), cres.signature.return_type) not in declared:
+            mismatches.append(f"{dispatcher.__name__}{cres.signature}")
+print(json.dumps(mismatches))
+"""
+
+
+@pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
+def test_compiling_lazily_gives_the_declared_signatures(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Without warmup(), each call compiles exactly a declared signature.
+
+    Run in a fresh process with an empty Numba cache, so that nothing is
+    loaded that an explicit signature compiled.
+    """
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-c", LAZY],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []

@@ -1,0 +1,62 @@
+"""coalesce(): merge copy descriptors that continue each other on both sides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _kernels
+from ._errors import SpecError
+from ._layout import descriptor_array, out_view
+from ._table import max_run_arg
+from ._types import TransferPlan
+
+
+def coalesce(
+    src: Any,
+    dst: Any,
+    sizes: Any,
+    *,
+    max_run_bytes: int | None = None,
+    out: tuple[Any, Any, Any] | None = None,
+) -> TransferPlan:
+    """Merge runs of descriptors that are contiguous on both sides (SPEC 6).
+
+    Descriptor i+1 joins the run ending at i when ``src[i] + sizes[i] ==
+    src[i + 1]`` and ``dst[i] + sizes[i] == dst[i + 1]``. Order is kept, and so
+    is the byte mapping: every source byte lands where it did before.
+
+    Args:
+        src, dst, sizes: 1-D int64 or uint64 arrays of the same length.
+        max_run_bytes: the largest merged descriptor; a descriptor larger than
+            that on its own stays as it is.
+        out: optional ``(src, dst, sizes)`` buffers (int64 or uint64), at least
+            as long as the input; they may be the input arrays themselves.
+
+    Returns:
+        A TransferPlan of the merged descriptors (uint64 views of ``out`` when
+        given).
+    """
+    src_in = descriptor_array(src, "src")
+    dst_in = descriptor_array(dst, "dst")
+    sizes_in = descriptor_array(sizes, "sizes")
+    n = len(sizes_in)
+    if not len(src_in) == len(dst_in) == n:
+        raise SpecError(
+            f"src, dst and sizes have {len(src_in)}, {len(dst_in)} and {n} entries"
+        )
+    max_run = max_run_arg(max_run_bytes)
+    if out is None:
+        out_src, out_dst, out_sizes = (np.empty(n, np.uint64) for _ in range(3))
+    else:
+        out_src = out_view(out[0], n, "out[0] (src)")
+        out_dst = out_view(out[1], n, "out[1] (dst)")
+        out_sizes = out_view(out[2], n, "out[2] (sizes)")
+    num_bytes = int(sizes_in.sum(dtype=np.uint64))
+    written = _kernels.coalesce_kernel(
+        src_in, dst_in, sizes_in, max_run, out_src, out_dst, out_sizes
+    )
+    return TransferPlan(
+        out_src[:written], out_dst[:written], out_sizes[:written], num_bytes
+    )
