@@ -344,3 +344,114 @@ def vllm_style_plan(
                 dst[op : op + n_blocks] = ptrs[op : op + n_blocks]
             op += n_blocks
     return src, dst, sizes
+
+
+# The operations `ptrres bench` times, each against its numpy reference.
+OPERATIONS = ("resolve", "plan", "coalesce")
+BENCH_BLOCKS_PER_CHUNK = 4
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One cell of `ptrres bench`: an operation on a layout at one size."""
+
+    preset: str
+    operation: str
+    blocks_per_group: int
+    # Copy ops of the transfer (descriptors before coalescing).
+    ops: int
+    # Descriptors ptrres returned (fewer than ops when coalescing merged some).
+    descriptors: int
+    reference_seconds: float
+    ptrres_seconds: float
+    # A plain numpy fill of the same output bytes (measured at the largest
+    # size only, else None): the physical limit of any implementation.
+    fill_seconds: float | None
+
+    @property
+    def speedup(self) -> float:
+        return self.reference_seconds / self.ptrres_seconds
+
+    @property
+    def ns_per_op(self) -> float:
+        return self.ptrres_seconds / max(self.ops, 1) * 1e9
+
+
+def bench_cell(
+    preset: Preset,
+    operation: str,
+    blocks_per_group: int,
+    *,
+    seconds: float,
+    with_fill: bool,
+) -> BenchRow:
+    """Time one operation of ptrres and of the reference, side by side.
+
+    ptrres writes into preallocated int64 out= buffers (as a server does with
+    pinned ones); the reference allocates, as vLLM's numpy code does.
+    """
+    from . import reference
+    from ._coalesce import coalesce
+    from ._offloaded import OffloadedLayout
+    from ._table import PointerTable
+
+    bpc = BENCH_BLOCKS_PER_CHUNK
+    kv = preset.kv_caches()
+    table = PointerTable(kv)
+    spec = make_spec(preset, blocks_per_group)
+    offloaded_tensors = preset.offloaded_tensors(bpc)
+    offloaded = OffloadedLayout(offloaded_tensors, bpc)
+    chunk_ids = make_offloaded_ids(spec, bpc)
+    n_ops = blocks_per_group * preset.num_refs
+    out = (
+        np.empty(n_ops, np.int64),
+        np.empty(n_ops, np.int64),
+        np.empty(n_ops, np.int64),
+    )
+
+    def fill(n_outputs: int) -> None:
+        for buffer in out[:n_outputs]:
+            buffer.fill(1)
+
+    contenders: dict[str, Callable[[], object]]
+    if operation == "resolve":
+        contenders = {
+            "reference": lambda: reference.resolve_device_pointers(spec, kv),
+            "ptrres": lambda: table.resolve(spec, out=out[:2]),
+        }
+        n_outputs = 2
+        descriptors = n_ops
+    elif operation == "plan":
+        contenders = {
+            "reference": lambda: reference.plan_transfer(
+                spec, kv, offloaded_tensors, bpc, chunk_ids, store=True
+            ),
+            "ptrres": lambda: table.plan_transfer(
+                spec, offloaded, chunk_ids, store=True, out=out
+            ),
+        }
+        n_outputs = 3
+        descriptors = n_ops
+    elif operation == "coalesce":
+        plan = table.plan_transfer(spec, offloaded, chunk_ids, store=True)
+        contenders = {
+            "reference": lambda: reference.coalesce(plan.src, plan.dst, plan.sizes),
+            "ptrres": lambda: coalesce(plan.src, plan.dst, plan.sizes, out=out),
+        }
+        n_outputs = 3
+        descriptors = len(coalesce(plan.src, plan.dst, plan.sizes).sizes)
+    else:
+        raise ValueError(f"unknown operation {operation!r}; one of {OPERATIONS}")
+    if with_fill:
+        contenders["fill"] = lambda: fill(n_outputs)
+    timings = compare(contenders, seconds=seconds, rounds=5)
+    return BenchRow(
+        preset=preset.name,
+        operation=operation,
+        blocks_per_group=blocks_per_group,
+        ops=n_ops,
+        descriptors=descriptors,
+        reference_seconds=timings["reference"].seconds,
+        ptrres_seconds=timings["ptrres"].seconds,
+        fill_seconds=timings["fill"].seconds if with_fill else None,
+    )

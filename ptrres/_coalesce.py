@@ -53,10 +53,9 @@ def coalesce(
         out_src = out_view(out[0], n, "out[0] (src)")
         out_dst = out_view(out[1], n, "out[1] (dst)")
         out_sizes = out_view(out[2], n, "out[2] (sizes)")
-    num_bytes = int(sizes_in.sum(dtype=np.uint64))
-    written = _kernels.coalesce_kernel(
+    written, num_bytes = _kernels.coalesce_kernel(
         src_in, dst_in, sizes_in, max_run, out_src, out_dst, out_sizes
     )
     return TransferPlan(
-        out_src[:written], out_dst[:written], out_sizes[:written], num_bytes
+        out_src[:written], out_dst[:written], out_sizes[:written], int(num_bytes)
     )

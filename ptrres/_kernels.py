@@ -413,7 +413,7 @@ def continues(
 
 
 @kernel(
-    "int64(uint64[::1], uint64[::1], uint64[::1], int64,"
+    "Tuple((int64, uint64))(uint64[::1], uint64[::1], uint64[::1], int64,"
     " uint64[::1], uint64[::1], uint64[::1])"
 )
 def coalesce_kernel(
@@ -424,21 +424,22 @@ def coalesce_kernel(
     out_src: UIntArray,
     out_dst: UIntArray,
     out_sizes: UIntArray,
-) -> int:
+) -> tuple[int, int]:
     """Merge descriptors that continue each other on both sides (SPEC 6).
 
     The outputs may be the inputs themselves: a descriptor is read before any
     write reaches its position.
 
     Returns:
-        The number of descriptors written.
+        The number of descriptors written, and the bytes they copy.
     """
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
-    written = ZERO
+    written = num_bytes = ZERO
     run_src = run_dst = run_size = ZERO
     for i in range(sizes.shape[0]):
         # Read before writing: the outputs may be the inputs.
         src_ptr, dst_ptr, size = src[i], dst[i], sizes[i]
+        num_bytes += size
         if written > ZERO and continues(
             run_src, run_dst, run_size, src_ptr, dst_ptr, size, cap
         ):
@@ -450,7 +451,7 @@ def coalesce_kernel(
             out_dst[written] = dst_ptr
             out_sizes[written] = size
             written += ONE
-    return np.int64(written)
+    return np.int64(written), num_bytes
 
 
 @kernel(f"int64({_TABLE}, int64[::1], uint64[::1], uint64[::1], int64[::1])")

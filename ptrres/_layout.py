@@ -330,6 +330,11 @@ def _as_int_array(values: Any, what: str) -> npt.NDArray[np.int64]:
 
 def descriptor_array(values: Any, what: str) -> npt.NDArray[np.uint64]:
     """Pointers or sizes given by a caller, as a contiguous 1-D uint64 array."""
+    if type(values) is np.ndarray and values.ndim == 1 and values.flags.carray:
+        if values.dtype is UINT64:
+            return values
+        if values.dtype is INT64:
+            return values.view(np.uint64)
     if not isinstance(values, np.ndarray):
         raise InputTypeError(
             f"{what} must be a numpy array, got {type(values).__name__}"

@@ -1,0 +1,324 @@
+"""The `ptrres` command: `ptrres bench` and `ptrres explain`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any, TextIO
+
+import numpy as np
+
+from ._bench import (
+    BENCH_BLOCKS_PER_CHUNK,
+    OPERATIONS,
+    PRESETS,
+    BenchRow,
+    bench_cell,
+    geometric_mean,
+    make_spec,
+)
+
+DEFAULT_BLOCKS = (1, 16, 256, 4096)
+QUICK_PRESETS = ("llama-3.1-8b", "hybrid-4x12")
+# Seconds of timing per (layout, operation, size) cell, shared by the
+# reference and ptrres.
+CELL_SECONDS = 0.4
+QUICK_CELL_SECONDS = 0.15
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `ptrres` command line; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="ptrres",
+        description="KV-cache block ids to pointers and copy descriptors, compiled.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    bench = commands.add_parser(
+        "bench",
+        help="time ptrres against the numpy reference on model layouts",
+        description=(
+            "Time resolve, plan (a store, blocks_per_chunk "
+            f"{BENCH_BLOCKS_PER_CHUNK}) and coalesce against ptrres.reference, "
+            "interleaved in this process, on model-shaped layouts whose "
+            "tensors are never allocated."
+        ),
+    )
+    bench.add_argument(
+        "--preset",
+        action="append",
+        choices=sorted(PRESETS),
+        help="a layout to time (repeatable; default: all, or two with --quick)",
+    )
+    bench.add_argument(
+        "--blocks",
+        type=_int_list,
+        help="blocks per group, comma-separated (default: 1,16,256,4096)",
+    )
+    bench.add_argument(
+        "--operation",
+        action="append",
+        choices=OPERATIONS,
+        help="an operation to time (repeatable; default: all)",
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="two layouts, short timings (~10 s)"
+    )
+    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    bench.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG of speedup against transfer size (needs matplotlib)",
+    )
+
+    explain = commands.add_parser(
+        "explain",
+        help="print the descriptors of a tiny transfer, to learn a layout",
+    )
+    explain.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    explain.add_argument(
+        "--blocks",
+        type=_int_list,
+        default=[3, 7, 9],
+        help="block ids each group transfers, comma-separated (default: 3,7,9)",
+    )
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "bench":
+            return _bench(args)
+        return _explain(args.preset, args.blocks, sys.stdout)
+    except BrokenPipeError:  # `ptrres explain ... | head`: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list: {text!r}"
+        ) from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"need non-negative integers: {text!r}")
+    return values
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ._warmup import warmup
+
+    if args.plot:
+        _require_matplotlib()
+    presets = args.preset or list(QUICK_PRESETS if args.quick else PRESETS)
+    blocks = sorted(set(args.blocks or DEFAULT_BLOCKS))
+    operations = args.operation or list(OPERATIONS)
+    seconds = QUICK_CELL_SECONDS if args.quick else CELL_SECONDS
+    warmup()
+
+    cells = [(p, o, b) for p in presets for o in operations for b in blocks]
+    rows: list[BenchRow] = []
+    start = time.perf_counter()
+    for i, (preset, operation, n_blocks) in enumerate(cells, 1):
+        _progress(f"[{i}/{len(cells)}] {preset} {operation} {n_blocks} blocks")
+        rows.append(
+            bench_cell(
+                PRESETS[preset],
+                operation,
+                n_blocks,
+                seconds=seconds,
+                with_fill=n_blocks == blocks[-1],
+            )
+        )
+    _progress("")
+    elapsed = time.perf_counter() - start
+
+    print(_table(rows))
+    speedups = [row.speedup for row in rows]
+    print(
+        f"\n{len(rows)} cells in {elapsed:.1f} s; speedup over the reference: "
+        f"geometric mean {geometric_mean(speedups):.1f}x, "
+        f"min {min(speedups):.1f}x, max {max(speedups):.1f}x"
+    )
+    print(
+        "x fill: ptrres time / a numpy fill of the same output bytes "
+        "(the physical limit), at the largest size"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "environment": environment(),
+                    "settings": {
+                        "presets": presets,
+                        "blocks": blocks,
+                        "operations": operations,
+                        "seconds_per_cell": seconds,
+                        "blocks_per_chunk": BENCH_BLOCKS_PER_CHUNK,
+                    },
+                    "results": [
+                        dict(asdict(row), speedup=row.speedup, ns_per_op=row.ns_per_op)
+                        for row in rows
+                    ],
+                },
+                f,
+                indent=2,
+            )
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _progress(message: str) -> None:
+    """One line of progress on stderr, overwritten in place on a terminal."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r\033[K{message}")
+    elif message:
+        sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+def _table(rows: Sequence[BenchRow]) -> str:
+    header = (
+        f"{'layout':<20} {'operation':<9} {'blocks':>6} {'ops':>8} {'descr':>8} "
+        f"{'reference':>11} {'ptrres':>10} {'speedup':>8} {'ns/op':>7} {'x fill':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        fill = (
+            f"{row.ptrres_seconds / row.fill_seconds:>7.2f}"
+            if row.fill_seconds
+            else f"{'':>7}"
+        )
+        lines.append(
+            f"{row.preset:<20} {row.operation:<9} {row.blocks_per_group:>6} "
+            f"{row.ops:>8} {row.descriptors:>8} "
+            f"{_duration(row.reference_seconds):>11} "
+            f"{_duration(row.ptrres_seconds):>10} {row.speedup:>7.1f}x "
+            f"{row.ns_per_op:>7.2f} {fill}"
+        )
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.2f} us"
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine, for the JSON results."""
+    import numba
+
+    from . import __version__
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "ptrres": __version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "jit_disabled": os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0"),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "--plot needs matplotlib: pip install 'ptrres[plot]'"
+        ) from None
+
+
+def _plot(rows: Sequence[BenchRow], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    operations = list(dict.fromkeys(row.operation for row in rows))
+    fig, axes = plt.subplots(
+        1, len(operations), figsize=(4.2 * len(operations), 3.6), squeeze=False
+    )
+    for ax, operation in zip(axes[0], operations):
+        for preset in dict.fromkeys(row.preset for row in rows):
+            cells = [r for r in rows if r.operation == operation and r.preset == preset]
+            ax.plot(
+                [r.ops for r in cells],
+                [r.speedup for r in cells],
+                marker="o",
+                label=preset,
+            )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.axhline(1, color="grey", linewidth=0.8)
+        ax.set_title(operation)
+        ax.set_xlabel("copy ops per transfer")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("speedup over the numpy reference")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _explain(preset_name: str, block_ids: Sequence[int], out: TextIO) -> int:
+    from ._table import PointerTable
+
+    preset = PRESETS[preset_name]
+    kv = preset.kv_caches(num_blocks=max(max(block_ids) + 1, 16))
+    spec = make_spec(preset, len(block_ids))
+    spec.block_ids = np.array(list(block_ids) * preset.num_groups, np.int64)
+    device_ptrs = PointerTable(kv).resolve(spec)
+    out.write(
+        f"{preset.name}: {preset.description}\n"
+        f"{preset.num_groups} group(s) x {preset.refs_per_group} refs; "
+        f"each group transfers blocks {', '.join(map(str, block_ids))}\n"
+        "ptr = base(tensor) + block_id * row_stride; offset = ptr - base\n\n"
+    )
+    header = (
+        f"{'group':>5} {'ref':>4} {'tensor':>6} {'block':>6} "
+        f"{'row stride':>11} {'offset':>14} {'size':>8}"
+    )
+    out.write(header + "\n" + "-" * len(header) + "\n")
+    op = 0
+    for group, refs in enumerate(kv.group_data_refs):
+        for d, ref in enumerate(refs):
+            tensor = kv.tensors[ref.tensor_idx].tensor
+            for block in block_ids:
+                offset = int(device_ptrs.ptrs[op]) - tensor.data_ptr()
+                out.write(
+                    f"{group:>5} {d:>4} {ref.tensor_idx:>6} {block:>6} "
+                    f"{tensor.stride(0):>11,} {offset:>14,} "
+                    f"{int(device_ptrs.sizes[op]):>8,}\n"
+                )
+                op += 1
+    out.write(f"\n{op} descriptors\n")
+    return 0
