@@ -44,7 +44,9 @@ class PointerTable:
     checks the layout (tensor_idx in range, every page within its tensor's
     rows). The table holds plain integers, not the tensors: it must not outlive
     the tensors' memory, and a re-allocated tensor needs a new table. A table
-    may be shared by threads: its methods only read it.
+    may be shared by threads: its methods only read it, but for the cache of
+    the offloaded layout last planned with, which is read and replaced as one
+    (layout, its ref table) tuple, so no thread pairs a layout with another's.
 
     Args:
         kv_caches: a CanonicalKVCaches, or any object with ``tensors`` (each with
@@ -68,7 +70,8 @@ class PointerTable:
             sum(ref.page_size_bytes for ref in group) for group in groups
         )
         self.num_groups = len(groups)
-        # The offloaded layout last planned with, and its per-ref table.
+        # The offloaded layout last planned with, and its per-ref table: one
+        # tuple, read and assigned whole (atomic under the GIL), never in parts.
         self._offloaded: tuple[OffloadedLayout, npt.NDArray[np.int64]] | None = None
 
     def __repr__(self) -> str:
