@@ -22,6 +22,16 @@ INT64 = np.dtype(np.int64)
 UINT64 = np.dtype(np.uint64)
 ID_DTYPES = (INT32, INT64)
 OUT_DTYPES = (INT64, UINT64)
+# The attributes ptrres reads from a GPULoadStoreSpec and a DevicePointers.
+SPEC_FIELDS = ("block_ids", "group_sizes", "block_indices")
+DEVICE_POINTERS_FIELDS = (
+    "ptrs",
+    "sizes",
+    "group_block_counts",
+    "group_data_ref_counts",
+    "block_indices",
+)
+GROUP_FIELDS = DEVICE_POINTERS_FIELDS[2:]  # what iter_pointer_groups reads
 
 
 class TensorGeometry(NamedTuple):
@@ -61,6 +71,33 @@ def as_int(value: Any, what: str, *what_args: object) -> int:
     raise InputTypeError(
         f"{name} must be an integer, got {type(value).__name__} {value!r}"
     )
+
+
+def attributes(obj: Any, names: tuple[str, ...], what: str) -> tuple[Any, ...]:
+    """``obj``'s attributes ``names``, or an InputTypeError naming those it lacks."""
+    try:
+        return tuple([getattr(obj, name) for name in names])
+    except AttributeError:
+        raise missing_attributes(obj, names, what) from None
+
+
+def missing_attributes(obj: Any, names: tuple[str, ...], what: str) -> InputTypeError:
+    """The error for an object that lacks some of the attributes it needs."""
+    missing = [name for name in names if not hasattr(obj, name)] or names
+    return InputTypeError(
+        f"{what} must have the attributes {', '.join(names)}; "
+        f"{type(obj).__name__} has no {', '.join(missing)}"
+    )
+
+
+def as_list(values: Any, what: str) -> list[Any]:
+    """A caller's sequence (of tensors, refs, counts...) as a list."""
+    if not isinstance(values, (str, bytes, dict)):
+        try:
+            return list(values)
+        except TypeError:
+            pass
+    raise InputTypeError(f"{what} must be a sequence, got {type(values).__name__}")
 
 
 def tensor_geometry(
@@ -109,25 +146,27 @@ def read_layout(kv_caches: Any) -> list[list[RefRow]]:
 
     Checks the layout as it goes: tensor_idx in range, every page within a row.
     """
+    tensors, group_data_refs = attributes(
+        kv_caches, ("tensors", "group_data_refs"), "kv_caches"
+    )
     geometries = [
         tensor_geometry(getattr(entry, "tensor", None), t)
-        for t, entry in enumerate(kv_caches.tensors)
+        for t, entry in enumerate(as_list(tensors, "kv_caches.tensors"))
     ]
     groups = []
-    for group, refs in enumerate(kv_caches.group_data_refs):
+    for group, refs in enumerate(as_list(group_data_refs, "group_data_refs")):
         rows = []
-        for d, ref in enumerate(refs):
-            tensor_idx = as_int(
-                ref.tensor_idx, "group {}, ref {}: tensor_idx", group, d
+        for d, ref in enumerate(as_list(refs, f"group_data_refs[{group}]")):
+            raw_idx, raw_page = attributes(
+                ref, ("tensor_idx", "page_size_bytes"), f"group {group}, ref {d}"
             )
+            tensor_idx = as_int(raw_idx, "group {}, ref {}: tensor_idx", group, d)
             if not 0 <= tensor_idx < len(geometries):
                 raise LayoutError(
                     f"group {group}, ref {d}: tensor_idx {tensor_idx} is out of "
                     f"range (there are {len(geometries)} tensors)"
                 )
-            page_size = as_int(
-                ref.page_size_bytes, "group {}, ref {}: page_size_bytes", group, d
-            )
+            page_size = as_int(raw_page, "group {}, ref {}: page_size_bytes", group, d)
             geometry = geometries[tensor_idx]
             if not 0 <= page_size <= min(geometry.row_stride_bytes, geometry.row_bytes):
                 raise LayoutError(
@@ -180,7 +219,7 @@ def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometr
     if bpc < 1:
         raise LayoutError(f"blocks_per_chunk must be >= 1, got {bpc}")
     geometries = []
-    for t, tensor in enumerate(tensors):
+    for t, tensor in enumerate(as_list(tensors, "offloaded tensors")):
         if not hasattr(tensor, "data_ptr") and hasattr(tensor, "tensor"):
             tensor = tensor.tensor
         geometry = tensor_geometry(tensor, t, "offloaded tensors[{}]")

@@ -16,13 +16,18 @@ from ._errors import (
     SpecError,
 )
 from ._layout import (
+    DEVICE_POINTERS_FIELDS,
     ID_DTYPES,
+    SPEC_FIELDS,
     RefRow,
     as_block_ids,
     as_block_indices,
     as_group_sizes,
     as_int,
+    as_list,
+    attributes,
     descriptor_array,
+    missing_attributes,
     num_chunks,
     offloaded_rows,
     out_view,
@@ -102,9 +107,14 @@ class PointerTable:
                 entries are then zeroed).
             SpecError, InputTypeError, OutBufferError: malformed input.
         """
-        block_ids = _block_ids(device_spec.block_ids)
+        try:
+            raw_ids = device_spec.block_ids
+            raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
+        except AttributeError:
+            raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
+        block_ids = _block_ids(raw_ids)
         n_ops, _, group_sizes, block_indices = self._check_groups(
-            device_spec.group_sizes, device_spec.block_indices, len(block_ids)
+            raw_sizes, raw_indices, len(block_ids)
         )
         group_size_array = np.array(group_sizes, dtype=np.int64)
         if out is None:
@@ -173,9 +183,12 @@ class PointerTable:
             SpecError, LayoutError, InputTypeError, OutBufferError: malformed
                 input.
         """
-        block_ids = _block_ids(device_spec.block_ids)
+        raw_ids, raw_sizes, raw_indices = attributes(
+            device_spec, SPEC_FIELDS, "device_spec"
+        )
+        block_ids = _block_ids(raw_ids)
         n_ops, num_bytes, group_sizes, block_indices = self._check_groups(
-            device_spec.group_sizes, device_spec.block_indices, len(block_ids)
+            raw_sizes, raw_indices, len(block_ids)
         )
         return self._plan(
             block_ids,
@@ -219,19 +232,22 @@ class PointerTable:
             DevicePointerError: a pointer that is not a block of its tensor.
             the errors of plan_transfer().
         """
-        ref_counts = tuple(device_ptrs.group_data_ref_counts)
+        raw_ptrs, raw_sizes, raw_counts, raw_ref_counts, raw_indices = attributes(
+            device_ptrs, DEVICE_POINTERS_FIELDS, "device_ptrs"
+        )
+        ref_counts = tuple(as_list(raw_ref_counts, "group_data_ref_counts"))
         if ref_counts != self.group_data_ref_counts:
             raise SpecError(
                 f"device_ptrs has refs per group {ref_counts}, but this table has "
                 f"{self.group_data_ref_counts}"
             )
-        group_sizes_in = tuple(device_ptrs.group_block_counts)
+        group_sizes_in = tuple(as_list(raw_counts, "group_block_counts"))
         n_block_ids = sum(as_int(n, "group_block_counts") for n in group_sizes_in)
         n_ops, num_bytes, group_sizes, block_indices = self._check_groups(
-            group_sizes_in, tuple(device_ptrs.block_indices), n_block_ids
+            group_sizes_in, tuple(as_list(raw_indices, "block_indices")), n_block_ids
         )
-        ptrs = descriptor_array(device_ptrs.ptrs, "device_ptrs.ptrs")
-        sizes = descriptor_array(device_ptrs.sizes, "device_ptrs.sizes")
+        ptrs = descriptor_array(raw_ptrs, "device_ptrs.ptrs")
+        sizes = descriptor_array(raw_sizes, "device_ptrs.sizes")
         if not len(ptrs) == len(sizes) == n_ops:
             raise SpecError(
                 f"device_ptrs has {len(ptrs)} ptrs and {len(sizes)} sizes, but its "

@@ -18,11 +18,15 @@ import numpy.typing as npt
 
 from ._errors import BlockIdError, InputTypeError, OffloadedIdError, SpecError
 from ._layout import (
+    GROUP_FIELDS,
+    SPEC_FIELDS,
     RefRow,
     as_block_ids,
     as_block_indices,
     as_group_sizes,
     as_int,
+    as_list,
+    attributes,
     descriptor_array,
     offloaded_rows,
     read_layout,
@@ -41,9 +45,12 @@ __all__ = [
 def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> DevicePointers:
     """ptr = base + block_id * row_stride_bytes, for every group, ref and block."""
     layout = read_layout(kv_caches)
-    block_ids = as_block_ids(device_spec.block_ids)
-    group_sizes = as_group_sizes(device_spec.group_sizes, len(layout), len(block_ids))
-    block_indices = as_block_indices(device_spec.block_indices, len(layout))
+    raw_ids, raw_sizes, raw_indices = attributes(
+        device_spec, SPEC_FIELDS, "device_spec"
+    )
+    block_ids = as_block_ids(raw_ids)
+    group_sizes = as_group_sizes(raw_sizes, len(layout), len(block_ids))
+    block_indices = as_block_indices(raw_indices, len(layout))
 
     num_ops = sum(int(n) * len(refs) for n, refs in zip(group_sizes, layout))
     ptrs = np.empty(num_ops, dtype=np.uint64)
@@ -93,9 +100,8 @@ def iter_pointer_groups(
     """One DevicePointerGroupInfo per non-empty group (eager list, as an iterator)."""
     if as_int(blocks_per_chunk, "blocks_per_chunk") < 1:
         raise SpecError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-    counts = [tuple(device_ptrs.group_block_counts)]
-    counts += [tuple(device_ptrs.group_data_ref_counts)]
-    counts += [tuple(device_ptrs.block_indices)]
+    fields = attributes(device_ptrs, GROUP_FIELDS, "device_ptrs")
+    counts = [as_list(values, name) for values, name in zip(fields, GROUP_FIELDS)]
     if len({len(c) for c in counts}) != 1:
         raise SpecError(
             "group_block_counts, group_data_ref_counts, block_indices differ in length"

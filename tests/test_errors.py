@@ -289,3 +289,80 @@ def test_every_error_is_a_ptrres_error_and_a_value_or_type_error() -> None:
         ):
             assert issubclass(obj, ptrres.PtrresError)
             assert issubclass(obj, (ValueError, TypeError))
+
+
+# Found by tests/test_hostile.py -------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["block_ids", "group_sizes", "block_indices"])
+def test_spec_without_an_attribute(resolve, kv, missing) -> None:  # type: ignore[no-untyped-def]
+    """Was AttributeError; a spec-like object lacking a field is a type error."""
+    fields = {"block_ids": [1, 2, 3], "group_sizes": [2, 1], "block_indices": [0, 0]}
+    del fields[missing]
+    spec = SimpleNamespace(**fields)
+    pattern = (
+        f"device_spec must have the attributes .*; SimpleNamespace has no {missing}"
+    )
+    with pytest.raises(ptrres.InputTypeError, match=pattern):
+        resolve(spec, kv)
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    with pytest.raises(ptrres.InputTypeError, match=pattern):
+        ptrres.PointerTable(kv).plan_transfer(spec, offloaded, [0, 1, 2], store=True)
+
+
+@pytest.mark.parametrize(
+    ("kv_caches", "pattern"),
+    [
+        (
+            SimpleNamespace(tensors=[]),
+            "kv_caches must have the attributes tensors, group_data_refs; "
+            "SimpleNamespace has no group_data_refs",
+        ),
+        (
+            SimpleNamespace(tensors=None, group_data_refs=[]),
+            "kv_caches.tensors must be a sequence, got NoneType",
+        ),
+        (
+            SimpleNamespace(tensors=[], group_data_refs=3),
+            "group_data_refs must be a sequence, got int",
+        ),
+        (
+            SimpleNamespace(tensors=[], group_data_refs=["ab"]),
+            r"group_data_refs\[0\] must be a sequence, got str",
+        ),
+        (
+            SimpleNamespace(tensors=[], group_data_refs=[[SimpleNamespace()]]),
+            "group 0, ref 0 must have the attributes tensor_idx, page_size_bytes",
+        ),
+    ],
+)
+def test_layouts_without_attributes_or_sequences(resolve, kv_caches, pattern) -> None:  # type: ignore[no-untyped-def]
+    """Were AttributeError and TypeError from deep inside; now named."""
+    with pytest.raises(ptrres.InputTypeError, match=pattern):
+        resolve(good_spec(), kv_caches)
+
+
+def test_device_pointers_without_attributes_or_sequences(kv) -> None:  # type: ignore[no-untyped-def]
+    device_ptrs = ptrres.resolve_device_pointers(good_spec(), kv)
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    table = ptrres.PointerTable(kv)
+    for name in ("group_block_counts", "group_data_ref_counts", "block_indices"):
+        fields = dict(vars(device_ptrs))
+        del fields[name]
+        for iterate in (ptrres.iter_pointer_groups, reference.iter_pointer_groups):
+            with pytest.raises(ptrres.InputTypeError, match=f"has no {name}"):
+                list(iterate(SimpleNamespace(**fields), 2))
+            with pytest.raises(ptrres.InputTypeError, match=f"{name} must be a seq"):
+                list(iterate(SimpleNamespace(**fields, **{name: None}), 2))
+        with pytest.raises(ptrres.InputTypeError, match=f"has no {name}"):
+            table.plan_from_device_pointers(
+                SimpleNamespace(**fields), offloaded, [0, 1, 2], store=True
+            )
+    fields = dict(vars(device_ptrs))
+    del fields["ptrs"]
+    with pytest.raises(ptrres.InputTypeError, match="has no ptrs"):
+        table.plan_from_device_pointers(
+            SimpleNamespace(**fields), offloaded, [0, 1, 2], store=True
+        )
+    with pytest.raises(ptrres.InputTypeError, match="offloaded tensors must be a seq"):
+        ptrres.OffloadedLayout(None, 1)
