@@ -15,7 +15,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InputTypeError, LayoutError, OutBufferError, SpecError
+from ._errors import (
+    InputTypeError,
+    LayoutError,
+    OutBufferError,
+    PtrresError,
+    SpecError,
+)
 
 INT32 = np.dtype(np.int32)
 INT64 = np.dtype(np.int64)
@@ -100,45 +106,71 @@ def as_list(values: Any, what: str) -> list[Any]:
     raise InputTypeError(f"{what} must be a sequence, got {type(values).__name__}")
 
 
+# The kernels compute pointers in int64: every byte of a tensor must lie below.
+ADDRESS_LIMIT = 2**63 - 1
+
+
 def tensor_geometry(
     tensor: Any, tensor_idx: int, name: str = "tensors[{}].tensor"
 ) -> TensorGeometry:
     """Read the geometry of a torch tensor (any device) or a numpy array.
 
+    Any object with torch's ``data_ptr()``, ``stride()``, ``element_size()`` and
+    ``shape`` will do; one whose answers fail or make no sense is refused.
     ``name`` (formatted with ``tensor_idx``) names the tensor in errors.
     """
+    what = name.format(tensor_idx)
     if isinstance(tensor, np.ndarray):
-        shape: tuple[Any, ...] = tensor.shape
-        base_ptr = tensor.__array_interface__["data"][0]
-        row_stride_bytes = tensor.strides[0] if shape else 0
-        element_size = tensor.itemsize
-    elif hasattr(tensor, "data_ptr"):
-        shape = tensor.shape
-        base_ptr = as_int(tensor.data_ptr(), name + ".data_ptr()", tensor_idx)
-        element_size = as_int(
-            tensor.element_size(), name + ".element_size()", tensor_idx
-        )
-        row_stride_bytes = element_size * (
-            as_int(tensor.stride(0), name + ".stride(0)", tensor_idx)
-            if len(shape)
-            else 0
-        )
+        shape: tuple[int, ...] = tensor.shape
+        base_ptr: int = tensor.__array_interface__["data"][0]
+        row_stride_bytes: int = tensor.strides[0] if shape else 0
+        element_size: int = tensor.itemsize
     else:
-        raise InputTypeError(
-            f"{name.format(tensor_idx)} must be a torch tensor or a numpy array, "
-            f"got {type(tensor).__name__}"
-        )
-    if not len(shape):
+        shape, base_ptr, row_stride_bytes, element_size = _tensor_answers(tensor, what)
+    if not shape:
+        raise LayoutError(f"{what} is 0-d; its first dimension must be blocks")
+    if min(shape) < 0 or element_size < 0:
         raise LayoutError(
-            f"{name.format(tensor_idx)} is 0-d; its first dimension must be blocks"
+            f"{what} has shape {shape} and element size {element_size}: "
+            "none may be negative"
         )
     if row_stride_bytes < 0:
-        raise LayoutError(
-            f"{name.format(tensor_idx)} has a negative row stride "
-            f"({row_stride_bytes} B)"
-        )
+        raise LayoutError(f"{what} has a negative row stride ({row_stride_bytes} B)")
+    num_blocks = shape[0]
     row_bytes = math.prod(shape[1:]) * element_size
-    return TensorGeometry(base_ptr, row_stride_bytes, int(shape[0]), int(row_bytes))
+    end = base_ptr + (num_blocks - 1) * row_stride_bytes + row_bytes
+    if base_ptr < 0 or max(end, row_stride_bytes, num_blocks) > ADDRESS_LIMIT:
+        raise LayoutError(
+            f"{what} at 0x{base_ptr:x} ({num_blocks} rows of {row_bytes} B, "
+            f"{row_stride_bytes} B apart) does not lie between 0 and 2**63 - 1, "
+            "the addresses ptrres computes"
+        )
+    return TensorGeometry(base_ptr, row_stride_bytes, num_blocks, row_bytes)
+
+
+def _tensor_answers(tensor: Any, what: str) -> tuple[tuple[int, ...], int, int, int]:
+    """Shape, data pointer, row stride and element size of a torch-like tensor."""
+    try:
+        if not callable(getattr(tensor, "data_ptr", None)):
+            raise InputTypeError(
+                f"{what} must be a torch tensor or a numpy array, "
+                f"got {type(tensor).__name__}"
+            )
+        raw_shape = tuple(tensor.shape)
+        shape = tuple(
+            as_int(n, "{}.shape[{}]", what, d) for d, n in enumerate(raw_shape)
+        )
+        base_ptr = as_int(tensor.data_ptr(), "{}.data_ptr()", what)
+        element_size = as_int(tensor.element_size(), "{}.element_size()", what)
+        stride = as_int(tensor.stride(0), "{}.stride(0)", what) if shape else 0
+    except PtrresError:
+        raise
+    except Exception as exc:  # a tensor without storage, a broken proxy...
+        raise InputTypeError(
+            f"{what}: reading its shape, data_ptr(), element_size() and stride(0) "
+            f"failed ({type(exc).__name__}: {exc})"
+        ) from exc
+    return shape, base_ptr, stride * element_size, element_size
 
 
 def read_layout(kv_caches: Any) -> list[list[RefRow]]:
@@ -150,7 +182,7 @@ def read_layout(kv_caches: Any) -> list[list[RefRow]]:
         kv_caches, ("tensors", "group_data_refs"), "kv_caches"
     )
     geometries = [
-        tensor_geometry(getattr(entry, "tensor", None), t)
+        tensor_geometry(attributes(entry, ("tensor",), f"kv_caches.tensors[{t}]")[0], t)
         for t, entry in enumerate(as_list(tensors, "kv_caches.tensors"))
     ]
     groups = []
@@ -219,10 +251,8 @@ def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometr
     if bpc < 1:
         raise LayoutError(f"blocks_per_chunk must be >= 1, got {bpc}")
     geometries = []
-    for t, tensor in enumerate(as_list(tensors, "offloaded tensors")):
-        if not hasattr(tensor, "data_ptr") and hasattr(tensor, "tensor"):
-            tensor = tensor.tensor
-        geometry = tensor_geometry(tensor, t, "offloaded tensors[{}]")
+    for t, entry in enumerate(as_list(tensors, "offloaded tensors")):
+        geometry = tensor_geometry(_unwrapped(entry), t, "offloaded tensors[{}]")
         if geometry.row_bytes % bpc:
             raise LayoutError(
                 f"offloaded tensors[{t}]: a row of {geometry.row_bytes} B does not "
@@ -242,6 +272,16 @@ def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometr
             )
         )
     return geometries
+
+
+def _unwrapped(entry: Any) -> Any:
+    """An offloaded tensor given as is, or as the .tensor of an entry."""
+    try:
+        if not hasattr(entry, "data_ptr") and hasattr(entry, "tensor"):
+            return entry.tensor
+    except Exception:  # tensor_geometry() then says what is wrong
+        pass
+    return entry
 
 
 def offloaded_rows(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -366,3 +367,66 @@ def test_device_pointers_without_attributes_or_sequences(kv) -> None:  # type: i
         )
     with pytest.raises(ptrres.InputTypeError, match="offloaded tensors must be a seq"):
         ptrres.OffloadedLayout(None, 1)
+
+
+class OddTensor:
+    """Answers the calls ptrres makes of a torch tensor, with given values."""
+
+    def __init__(self, base_ptr: Any, stride0: Any, shape: Any) -> None:
+        self.base_ptr, self.stride0, self.shape = base_ptr, stride0, shape
+
+    def data_ptr(self) -> Any:
+        return self.base_ptr
+
+    def stride(self, dim: int) -> Any:
+        return self.stride0
+
+    def element_size(self) -> int:
+        return 1
+
+
+def one_tensor_layout(tensor: Any) -> ptrres.CanonicalKVCaches:
+    return ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 8)], [[ptrres.CanonicalKVCacheRef(0, 8)]]
+    )
+
+
+@pytest.mark.parametrize(
+    ("tensor", "error", "pattern"),
+    [
+        # Was OverflowError (ptrres) or a wrapped pointer (reference).
+        (OddTensor(2**63, 8, (4, 8)), ptrres.LayoutError, "at 0x8000000000000000"),
+        (OddTensor(-8, 8, (4, 8)), ptrres.LayoutError, "between 0 and 2\\*\\*63"),
+        (OddTensor(2**62, 2**61, (4, 8)), ptrres.LayoutError, "4 rows of 8 B"),
+        (OddTensor(4096, 2**64, (1, 8)), ptrres.LayoutError, "2\\*\\*63 - 1"),
+        (OddTensor(4096, 8, (-4, 8)), ptrres.LayoutError, "none may be negative"),
+        # Was int(3.5) == 3 blocks, silently.
+        (OddTensor(4096, 8, (3.5, 8)), ptrres.InputTypeError, r"shape\[0\] must be"),
+        # Were bare TypeErrors ('NoneType' object is not callable, no len()).
+        (OddTensor(4096, 8, None), ptrres.InputTypeError, "reading its shape"),
+        (SimpleNamespace(data_ptr=4096), ptrres.InputTypeError, "must be a torch"),
+    ],
+)
+def test_tensors_with_odd_geometry(resolve, tensor, error, pattern) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=pattern):
+        resolve(ptrres.GPULoadStoreSpec([0]), one_tensor_layout(tensor))
+
+
+def test_tensor_without_storage(resolve) -> None:  # type: ignore[no-untyped-def]
+    """Was RuntimeError (torch: "Cannot access data pointer of Tensor...")."""
+    sparse = torch.zeros(4, 8).to_sparse()
+    with pytest.raises(
+        ptrres.InputTypeError, match=r"tensors\[0\].tensor: reading its shape.*Runtime"
+    ) as info:
+        resolve(ptrres.GPULoadStoreSpec([0]), one_tensor_layout(sparse))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(ptrres.InputTypeError, match=r"offloaded tensors\[0\]: read"):
+        ptrres.OffloadedLayout([sparse], 1)
+
+
+def test_tensor_entry_without_a_tensor(resolve) -> None:  # type: ignore[no-untyped-def]
+    kv = SimpleNamespace(tensors=[SimpleNamespace()], group_data_refs=[[]])
+    with pytest.raises(
+        ptrres.InputTypeError, match=r"kv_caches.tensors\[0\] must have the attrib"
+    ):
+        resolve(ptrres.GPULoadStoreSpec([], [0]), kv)
