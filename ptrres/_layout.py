@@ -396,6 +396,10 @@ def _as_int_array(values: Any, what: str) -> npt.NDArray[np.int64]:
         array = np.asarray(values)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InputTypeError(f"{what} must be a sequence of ints: {exc}") from None
+    if array.ndim == 0:  # a scalar, a set, a dict...
+        raise InputTypeError(
+            f"{what} must be a sequence of ints, got {type(values).__name__}"
+        )
     if array.ndim != 1:
         raise InputTypeError(f"{what} must be 1-D, got shape {array.shape}")
     if array.size == 0:
@@ -421,6 +425,15 @@ def descriptor_array(values: Any, what: str) -> npt.NDArray[np.uint64]:
         values = np.array(values, order="C")
     view: npt.NDArray[np.uint64] = values.view(np.uint64)
     return view
+
+
+def out_count_error(out: Any, names: tuple[str, ...]) -> InputTypeError:
+    """The error for an ``out=`` that is not one buffer per output."""
+    count = f"{len(out)} items" if hasattr(out, "__len__") else "not a sequence"
+    return InputTypeError(
+        f"out must hold {len(names)} buffers ({', '.join(names)}): got a "
+        f"{type(out).__name__}, {count}"
+    )
 
 
 def out_view(buffer: Any, n_ops: int, what: str) -> npt.NDArray[np.uint64]:

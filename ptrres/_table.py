@@ -30,6 +30,7 @@ from ._layout import (
     missing_attributes,
     num_chunks,
     offloaded_rows,
+    out_count_error,
     out_view,
     read_layout,
 )
@@ -40,6 +41,7 @@ from ._offloaded import OffloadedLayout
 from ._types import DevicePointers, TransferPlan
 
 Buffers = tuple[npt.NDArray[Any], ...]
+_LIST_OR_TUPLE = (list, tuple)
 
 
 class PointerTable:
@@ -121,8 +123,12 @@ class PointerTable:
             ptrs = np.empty(n_ops, np.uint64)
             sizes = np.empty(n_ops, np.uint64)
         else:
-            ptrs = out_view(out[0], n_ops, "out[0] (ptrs)")
-            sizes = out_view(out[1], n_ops, "out[1] (sizes)")
+            try:
+                ptrs_out, sizes_out = out
+            except (TypeError, ValueError):
+                raise out_count_error(out, ("ptrs", "sizes")) from None
+            ptrs = out_view(ptrs_out, n_ops, "out[0] (ptrs)")
+            sizes = out_view(sizes_out, n_ops, "out[1] (sizes)")
         status = _kernels.resolve_kernel(
             self.ref_table,
             self.group_ref_start,
@@ -315,9 +321,13 @@ class PointerTable:
             dst = np.empty(n_ops, np.uint64)
             sizes = np.empty(n_ops, np.uint64)
         else:
-            src = out_view(out[0], n_ops, "out[0] (src)")
-            dst = out_view(out[1], n_ops, "out[1] (dst)")
-            sizes = out_view(out[2], n_ops, "out[2] (sizes)")
+            try:
+                src_out, dst_out, sizes_out = out
+            except (TypeError, ValueError):
+                raise out_count_error(out, ("src", "dst", "sizes")) from None
+            src = out_view(src_out, n_ops, "out[0] (src)")
+            dst = out_view(dst_out, n_ops, "out[1] (dst)")
+            sizes = out_view(sizes_out, n_ops, "out[2] (sizes)")
         written = _kernels.plan_kernel(
             self.ref_table,
             self.group_ref_start,
@@ -369,12 +379,17 @@ class PointerTable:
             The number of ops, the bytes they copy, and the group sizes and
             block indices as tuples of Python ints.
 
-        The common case (sequences of Python ints, as vLLM passes) is checked
-        in a plain loop; anything else goes through the thorough checks, which
-        also produce the error messages.
+        The common case (lists or tuples of Python ints, as vLLM passes) is
+        checked in a plain loop; anything else goes through the thorough
+        checks, which also produce the error messages. (A set or a dict would
+        pass the loop, in no meaningful order: the thorough checks refuse it.)
         """
         try:
-            if len(group_sizes) == len(block_indices) == self.num_groups:
+            if (
+                type(group_sizes) in _LIST_OR_TUPLE
+                and type(block_indices) in _LIST_OR_TUPLE
+                and len(group_sizes) == len(block_indices) == self.num_groups
+            ):
                 n_ops = n_ids = num_bytes = 0
                 for size, refs, page_bytes, index in zip(
                     group_sizes,

@@ -430,3 +430,36 @@ def test_tensor_entry_without_a_tensor(resolve) -> None:  # type: ignore[no-unty
         ptrres.InputTypeError, match=r"kv_caches.tensors\[0\] must have the attrib"
     ):
         resolve(ptrres.GPULoadStoreSpec([], [0]), kv)
+
+
+@pytest.mark.parametrize("container", [set, dict.fromkeys, iter])
+def test_group_sizes_in_an_unordered_container(resolve, kv, container) -> None:  # type: ignore[no-untyped-def]
+    """A set or dict of the right length passed the fast path, in any order."""
+    spec = SimpleNamespace(
+        block_ids=[1, 2, 3], group_sizes=container([2, 1]), block_indices=[0, 0]
+    )
+    with pytest.raises(ptrres.InputTypeError, match="group_sizes must be a sequence"):
+        resolve(spec, kv)
+    spec.group_sizes, spec.block_indices = [2, 1], container([0, 5])
+    with pytest.raises(ptrres.InputTypeError, match="block_indices must be a sequence"):
+        resolve(spec, kv)
+
+
+@pytest.mark.parametrize(
+    "out",
+    [3, (np.zeros(5, np.int64),), [np.zeros(5, np.int64)] * 4, None],
+)
+def test_out_that_is_not_one_buffer_per_output(kv, out) -> None:  # type: ignore[no-untyped-def]
+    """Were IndexError (a short tuple) and TypeError (not subscriptable)."""
+    table = ptrres.PointerTable(kv)
+    if out is None:  # a pair where a plan needs three
+        out = (np.zeros(5, np.int64), np.zeros(5, np.int64))
+    else:
+        with pytest.raises(ptrres.InputTypeError, match=r"out must hold 2 buffers"):
+            table.resolve(good_spec(), out=out)
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    with pytest.raises(ptrres.InputTypeError, match=r"out must hold 3 buffers"):
+        table.plan_transfer(good_spec(), offloaded, [0, 1, 2], store=True, out=out)
+    descriptors = [np.zeros(5, np.int64)] * 3
+    with pytest.raises(ptrres.InputTypeError, match=r"out must hold 3 buffers"):
+        ptrres.coalesce(*descriptors, out=out)
