@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _kernels
 from ._errors import SpecError
-from ._layout import descriptor_array, out_count_error, out_view
+from ._layout import descriptor_array, out_count_error, out_view, overlap_error
 from ._table import max_run_arg
 from ._types import TransferPlan
 
@@ -61,6 +61,8 @@ def coalesce(
     written = _kernels.coalesce_kernel(
         src_in, dst_in, sizes_in, max_run, out_src, out_dst, out_sizes
     )
+    if written == _kernels.OVERLAPPING_BUFFERS:
+        raise overlap_error("out's src, dst and sizes (each may be its own input)")
     return TransferPlan(
         out_src[:written], out_dst[:written], out_sizes[:written], num_bytes
     )

@@ -1,10 +1,12 @@
 """The compiled kernels. They only compute into arrays they are given.
 
 A kernel never sees a Python object and never raises. It returns how many
-entries it wrote, or a negative status (BAD_BLOCK_ID, BAD_OFFLOADED_ID) when
-an id is out of range; the wrapper then finds the first bad id and raises an
-error that names the group, the position and the value. What a failed call
-wrote is never returned: the wrapper zeroes it.
+entries it wrote, or a negative status: BAD_BLOCK_ID or BAD_OFFLOADED_ID when
+an id is out of range (the wrapper then finds the first bad id and raises an
+error that names the group, the position and the value), OVERLAPPING_BUFFERS
+when an output shares memory with another output or an input (checked before
+anything is written). What a failed call wrote is never returned: the wrapper
+zeroes it.
 
 Indices are unsigned wherever they are computed: Numba then adds no
 negative-index wraparound, and the inner loops vectorise. A range check is
@@ -42,6 +44,9 @@ OFF_COLUMNS = 4
 # exactly the declared signature.
 BAD_BLOCK_ID = np.int64(-1)
 BAD_OFFLOADED_ID = np.int64(-2)
+# An output shares memory with another output or with an input: nothing is
+# written, since the results would overwrite each other or the ids.
+OVERLAPPING_BUFFERS = np.int64(-3)
 
 # max_run_bytes when runs are not capped. Kernels take the cap as an int64
 # (Numba types a Python int faster than a numpy scalar) and read it as uint64:
@@ -81,8 +86,19 @@ def resolve_kernel(
         ptrs, sizes: outputs, at least as long as the number of ops.
 
     Returns:
-        The number of ops written, or BAD_BLOCK_ID.
+        The number of ops written, BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
+    ptrs_at, sizes_at, ids_at = (
+        ptrs.ctypes.data,
+        sizes.ctypes.data,
+        block_ids.ctypes.data,
+    )
+    if (
+        overlap(ptrs_at, ptrs.nbytes, sizes_at, sizes.nbytes)
+        or overlap(ptrs_at, ptrs.nbytes, ids_at, block_ids.nbytes)
+        or overlap(sizes_at, sizes.nbytes, ids_at, block_ids.nbytes)
+    ):
+        return OVERLAPPING_BUFFERS
     op = ZERO
     first_id = ZERO
     for group in range(group_sizes.shape[0]):
@@ -145,8 +161,10 @@ def plan_kernel(
 
     Returns:
         The number of descriptors written, BAD_OFFLOADED_ID (also for a wrong
-        number of offloaded ids) or BAD_BLOCK_ID.
+        number of offloaded ids), BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
+    if outputs_overlap(src, dst, sizes, block_ids, offloaded_ids):
+        return OVERLAPPING_BUFFERS
     bpc = np.uint64(blocks_per_chunk)
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
     group_sizes, block_indices = groups[0], groups[1]
@@ -428,11 +446,27 @@ def coalesce_kernel(
     """Merge descriptors that continue each other on both sides (SPEC 6).
 
     The outputs may be the inputs themselves: a descriptor is read before any
-    write reaches its position.
+    write reaches its position. Otherwise no output may share memory with
+    another output or an input.
 
     Returns:
-        The number of descriptors written.
+        The number of descriptors written, or OVERLAPPING_BUFFERS.
     """
+    # Each output against the other outputs and the inputs, but for its own
+    # input when it is that input (in place).
+    spans = (
+        (out_src.ctypes.data, out_src.nbytes),
+        (out_dst.ctypes.data, out_dst.nbytes),
+        (out_sizes.ctypes.data, out_sizes.nbytes),
+        (src.ctypes.data, src.nbytes),
+        (dst.ctypes.data, dst.nbytes),
+        (sizes.ctypes.data, sizes.nbytes),
+    )
+    for out in range(3):
+        for other in range(out + 1, 6):
+            in_place = other == out + 3 and spans[out][0] == spans[other][0]
+            if not in_place and overlap(*spans[out], *spans[other]):
+                return OVERLAPPING_BUFFERS
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
     written = ZERO
     run_src = run_dst = run_size = ZERO
@@ -451,6 +485,46 @@ def coalesce_kernel(
             out_sizes[written] = size
             written += ONE
     return np.int64(written)
+
+
+@inline_helper
+def outputs_overlap(
+    src: UIntArray,
+    dst: UIntArray,
+    sizes: UIntArray,
+    block_ids: IntArray,
+    offloaded_ids: IntArray,
+) -> bool:
+    """Whether a plan's outputs share memory with each other or with its ids.
+
+    A function of its own: written into plan_kernel, the checks slowed its
+    main loops by a third (LLVM then optimised them differently).
+    """
+    src_at, dst_at, sizes_at = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
+    ids_at, chunks_at = block_ids.ctypes.data, offloaded_ids.ctypes.data
+    return (
+        overlap(src_at, src.nbytes, dst_at, dst.nbytes)
+        or overlap(src_at, src.nbytes, sizes_at, sizes.nbytes)
+        or overlap(dst_at, dst.nbytes, sizes_at, sizes.nbytes)
+        or overlap(src_at, src.nbytes, ids_at, block_ids.nbytes)
+        or overlap(dst_at, dst.nbytes, ids_at, block_ids.nbytes)
+        or overlap(sizes_at, sizes.nbytes, ids_at, block_ids.nbytes)
+        or overlap(src_at, src.nbytes, chunks_at, offloaded_ids.nbytes)
+        or overlap(dst_at, dst.nbytes, chunks_at, offloaded_ids.nbytes)
+        or overlap(sizes_at, sizes.nbytes, chunks_at, offloaded_ids.nbytes)
+    )
+
+
+@inline_helper
+def overlap(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bool:
+    """Whether two arrays, at a_start and b_start, share a byte.
+
+    Takes each array's ``ctypes.data`` and ``nbytes``: one signature serves
+    every array type, so the check costs one small compilation.
+    """
+    a_end = a_start + np.uint64(a_bytes)
+    b_end = b_start + np.uint64(b_bytes)
+    return bool((a_start < b_end) & (b_start < a_end) & (a_bytes > 0) & (b_bytes > 0))
 
 
 @kernel(f"int64({_TABLE}, int64[::1], uint64[::1], uint64[::1], int64[::1])")

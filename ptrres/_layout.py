@@ -436,6 +436,14 @@ def out_count_error(out: Any, names: tuple[str, ...]) -> InputTypeError:
     )
 
 
+def overlap_error(buffers: str) -> OutBufferError:
+    """The error for out= buffers that share memory with each other or an input."""
+    return OutBufferError(
+        f"{buffers} share memory: each out= buffer must be an array of its own, "
+        "apart from the input"
+    )
+
+
 def out_view(buffer: Any, n_ops: int, what: str) -> npt.NDArray[np.uint64]:
     """The first n_ops entries of a caller's out= buffer, as a uint64 view.
 

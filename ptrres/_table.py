@@ -32,6 +32,7 @@ from ._layout import (
     offloaded_rows,
     out_count_error,
     out_view,
+    overlap_error,
     read_layout,
 )
 from ._layout import (
@@ -138,6 +139,8 @@ class PointerTable:
             sizes,
         )
         if status < 0:
+            if status == _kernels.OVERLAPPING_BUFFERS:
+                raise overlap_error("out[0] (ptrs), out[1] (sizes) and block_ids")
             ptrs[:] = 0
             sizes[:] = 0
             raise self._block_id_error(block_ids, group_sizes)
@@ -189,9 +192,11 @@ class PointerTable:
             SpecError, LayoutError, InputTypeError, OutBufferError: malformed
                 input.
         """
-        raw_ids, raw_sizes, raw_indices = attributes(
-            device_spec, SPEC_FIELDS, "device_spec"
-        )
+        try:
+            raw_ids = device_spec.block_ids
+            raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
+        except AttributeError:
+            raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
         block_ids = _block_ids(raw_ids)
         n_ops, num_bytes, group_sizes, block_indices = self._check_groups(
             raw_sizes, raw_indices, len(block_ids)
@@ -344,6 +349,8 @@ class PointerTable:
             sizes,
         )
         if written < 0:
+            if written == _kernels.OVERLAPPING_BUFFERS:
+                raise overlap_error("out's src, dst and sizes, and the ids")
             src[:] = 0
             dst[:] = 0
             sizes[:] = 0

@@ -463,3 +463,41 @@ def test_out_that_is_not_one_buffer_per_output(kv, out) -> None:  # type: ignore
     descriptors = [np.zeros(5, np.int64)] * 3
     with pytest.raises(ptrres.InputTypeError, match=r"out must hold 3 buffers"):
         ptrres.coalesce(*descriptors, out=out)
+
+
+def test_out_buffers_that_share_memory(kv) -> None:  # type: ignore[no-untyped-def]
+    """ptrs written over sizes (or over the ids being read) gave wrong answers,
+    and an AssertionError when the overwritten ids then looked out of range."""
+    table = ptrres.PointerTable(kv)
+    buffer = np.zeros(10, np.int64)
+    with pytest.raises(ptrres.OutBufferError, match="share memory"):
+        table.resolve(good_spec(), out=(buffer, buffer))
+    with pytest.raises(ptrres.OutBufferError, match="share memory"):
+        table.resolve(good_spec(), out=(buffer[:5], buffer[4:]))
+    ids = np.array([1, 2, 3, 0, 0, 0], np.int64)
+    spec = ptrres.GPULoadStoreSpec(ids[:3], [2, 1], [0, 0])
+    with pytest.raises(ptrres.OutBufferError, match="block_ids share memory"):
+        table.resolve(spec, out=(ids, np.zeros(5, np.int64)))
+    assert ids.tolist() == [1, 2, 3, 0, 0, 0]  # nothing written
+    assert_same_pointers(
+        table.resolve(good_spec(), out=(buffer[:5], buffer[5:])),
+        reference.resolve_device_pointers(good_spec(), kv),
+    )
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    chunk_ids = np.array([0, 1, 2, 0, 0], np.int64)
+    for out in (
+        (buffer[:5], buffer[:5], np.zeros(5, np.int64)),
+        (buffer[:5], buffer[5:], chunk_ids),
+    ):
+        with pytest.raises(ptrres.OutBufferError, match="share memory"):
+            table.plan_transfer(spec, offloaded, chunk_ids[:3], store=True, out=out)
+    src, dst = np.array([0, 8, 16, 0]), np.array([64, 72, 80, 0])
+    sizes = np.full(4, 8)
+    with pytest.raises(ptrres.OutBufferError, match="share memory"):
+        ptrres.coalesce(src, dst, sizes, out=(dst, src, sizes))  # swapped
+    with pytest.raises(ptrres.OutBufferError, match="share memory"):
+        ptrres.coalesce(src[:3], dst[:3], sizes[:3], out=(src[1:], dst, sizes))
+    assert src.tolist() == [0, 8, 16, 0]
+    merged = ptrres.coalesce(src, dst, sizes, out=(src, dst, sizes))  # in place
+    assert merged.src.tolist() == [0, 0]
+    assert merged.sizes.tolist() == [24, 8]
