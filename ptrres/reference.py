@@ -98,7 +98,8 @@ def iter_pointer_groups(
     device_ptrs: Any, blocks_per_chunk: int
 ) -> Iterator[DevicePointerGroupInfo]:
     """One DevicePointerGroupInfo per non-empty group (eager list, as an iterator)."""
-    if as_int(blocks_per_chunk, "blocks_per_chunk") < 1:
+    blocks_per_chunk = as_int(blocks_per_chunk, "blocks_per_chunk")
+    if blocks_per_chunk < 1:
         raise SpecError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
     fields = attributes(device_ptrs, GROUP_FIELDS, "device_ptrs")
     counts = [as_list(values, name) for values, name in zip(fields, GROUP_FIELDS)]
@@ -200,7 +201,8 @@ def coalesce(
     """Merge descriptors that continue each other on both sides (SPEC 6).
 
     Without a cap, runs are found with one vectorised comparison; with one,
-    each descriptor is placed greedily, in order, in plain Python.
+    each descriptor is placed greedily, in order, in plain Python. A merged
+    size must fit in uint64: no cap means a cap of 2**64 - 1.
     """
     src = descriptor_array(src, "src")
     dst = descriptor_array(dst, "dst")
@@ -211,6 +213,10 @@ def coalesce(
     cap = None if max_run_bytes is None else as_int(max_run_bytes, "max_run_bytes")
     if cap is not None and cap < 1:
         raise SpecError(f"max_run_bytes must be >= 1, got {cap}")
+    if cap is None and sizes.sum(dtype=np.float64) >= 2.0**62:
+        cap = 2**64 - 1  # a run could wrap the vectorised sum: merge greedily
+    if cap is not None:
+        cap = min(cap, 2**64 - 1)
     if len(sizes) == 0:
         return TransferPlan(src.copy(), dst.copy(), sizes.copy(), num_bytes)
     # i + 1 continues i when both ends meet, without wrapping around 2**64.

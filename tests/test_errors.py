@@ -501,3 +501,24 @@ def test_out_buffers_that_share_memory(kv) -> None:  # type: ignore[no-untyped-d
     merged = ptrres.coalesce(src, dst, sizes, out=(src, dst, sizes))  # in place
     assert merged.src.tolist() == [0, 0]
     assert merged.sizes.tolist() == [24, 8]
+
+
+def test_reference_with_extreme_numbers() -> None:
+    """The reference wrapped a merged size past 2**64 (and raised OverflowError
+    for a cap over it), and mixed a numpy blocks_per_chunk with huge counts."""
+    half = 2**63
+    src = np.array([0, half], np.uint64)
+    dst = np.array([2**20, 2**20 + half], np.uint64)
+    sizes = np.array([half, half], np.uint64)  # together 2**64: too much for one
+    for cap in (None, 2**64, 2**70):
+        expected = ptrres.coalesce(src, dst, sizes, max_run_bytes=cap)
+        assert expected.sizes.tolist() == [half, half]
+        merged = reference.coalesce(src, dst, sizes, max_run_bytes=cap)
+        assert merged.sizes.tolist() == [half, half]
+    device_ptrs = SimpleNamespace(
+        group_block_counts=[2**62], group_data_ref_counts=[1], block_indices=[2**63 - 1]
+    )
+    bpc = np.int32(4)
+    assert list(reference.iter_pointer_groups(device_ptrs, bpc)) == list(
+        ptrres.iter_pointer_groups(device_ptrs, bpc)
+    )
