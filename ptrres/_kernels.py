@@ -88,17 +88,17 @@ def resolve_kernel(
     Returns:
         The number of ops written, BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
-    ptrs_at, sizes_at, ids_at = (
-        ptrs.ctypes.data,
-        sizes.ctypes.data,
-        block_ids.ctypes.data,
-    )
-    if (
-        overlap(ptrs_at, ptrs.nbytes, sizes_at, sizes.nbytes)
-        or overlap(ptrs_at, ptrs.nbytes, ids_at, block_ids.nbytes)
-        or overlap(sizes_at, sizes.nbytes, ids_at, block_ids.nbytes)
-    ):
-        return OVERLAPPING_BUFFERS
+    # No output may share a byte with the other or with the ids (written
+    # out: a helper function or a loop costs compile time, and in plan_kernel
+    # speed). The outputs are both empty or both not.
+    if ptrs.size:
+        p0, s0, i0 = ptrs.ctypes.data, sizes.ctypes.data, block_ids.ctypes.data
+        p1, s1 = p0 + np.uint64(ptrs.nbytes), s0 + np.uint64(sizes.nbytes)
+        i1 = i0 + np.uint64(block_ids.nbytes)
+        if (p0 < s1) & (s0 < p1) | (i0 < i1) & (
+            (p0 < i1) & (i0 < p1) | (s0 < i1) & (i0 < s1)
+        ):  # fmt: skip
+            return OVERLAPPING_BUFFERS
     op = ZERO
     first_id = ZERO
     for group in range(group_sizes.shape[0]):
@@ -163,8 +163,22 @@ def plan_kernel(
         The number of descriptors written, BAD_OFFLOADED_ID (also for a wrong
         number of offloaded ids), BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
-    if outputs_overlap(src, dst, sizes, block_ids, offloaded_ids):
-        return OVERLAPPING_BUFFERS
+    # No output may share a byte with another or with the ids (written out,
+    # as in resolve_kernel). The outputs are all empty or all not.
+    if src.size:
+        s0, d0, z0 = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
+        s1, d1 = s0 + np.uint64(src.nbytes), d0 + np.uint64(dst.nbytes)
+        z1 = z0 + np.uint64(sizes.nbytes)
+        b0, c0 = block_ids.ctypes.data, offloaded_ids.ctypes.data
+        b1, c1 = b0 + np.uint64(block_ids.nbytes), c0 + np.uint64(offloaded_ids.nbytes)
+        if (
+            (s0 < d1) & (d0 < s1) | (s0 < z1) & (z0 < s1) | (d0 < z1) & (z0 < d1)
+            | (b0 < b1) & ((s0 < b1) & (b0 < s1) | (d0 < b1) & (b0 < d1)
+                           | (z0 < b1) & (b0 < z1))
+            | (c0 < c1) & ((s0 < c1) & (c0 < s1) | (d0 < c1) & (c0 < d1)
+                           | (z0 < c1) & (c0 < z1))
+        ):  # fmt: skip
+            return OVERLAPPING_BUFFERS
     bpc = np.uint64(blocks_per_chunk)
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
     group_sizes, block_indices = groups[0], groups[1]
@@ -452,21 +466,26 @@ def coalesce_kernel(
     Returns:
         The number of descriptors written, or OVERLAPPING_BUFFERS.
     """
-    # Each output against the other outputs and the inputs, but for its own
-    # input when it is that input (in place).
-    spans = (
-        (out_src.ctypes.data, out_src.nbytes),
-        (out_dst.ctypes.data, out_dst.nbytes),
-        (out_sizes.ctypes.data, out_sizes.nbytes),
-        (src.ctypes.data, src.nbytes),
-        (dst.ctypes.data, dst.nbytes),
-        (sizes.ctypes.data, sizes.nbytes),
-    )
-    for out in range(3):
-        for other in range(out + 1, 6):
-            in_place = other == out + 3 and spans[out][0] == spans[other][0]
-            if not in_place and overlap(*spans[out], *spans[other]):
-                return OVERLAPPING_BUFFERS
+    # No output may share a byte with another output or another input, and
+    # one that overlaps its own input must be it (in place). Written out, as
+    # in resolve_kernel; all six arrays are empty or none is.
+    if sizes.size:
+        os0, od0, oz0 = out_src.ctypes.data, out_dst.ctypes.data, out_sizes.ctypes.data
+        s0, d0, z0 = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
+        os1, od1 = os0 + np.uint64(out_src.nbytes), od0 + np.uint64(out_dst.nbytes)
+        oz1, z1 = oz0 + np.uint64(out_sizes.nbytes), z0 + np.uint64(sizes.nbytes)
+        s1, d1 = s0 + np.uint64(src.nbytes), d0 + np.uint64(dst.nbytes)
+        if (
+            (os0 < od1) & (od0 < os1) | (os0 < oz1) & (oz0 < os1)
+            | (od0 < oz1) & (oz0 < od1)
+            | (os0 < d1) & (d0 < os1) | (os0 < z1) & (z0 < os1)
+            | (od0 < s1) & (s0 < od1) | (od0 < z1) & (z0 < od1)
+            | (oz0 < s1) & (s0 < oz1) | (oz0 < d1) & (d0 < oz1)
+            | (os0 < s1) & (s0 < os1) & (os0 != s0)
+            | (od0 < d1) & (d0 < od1) & (od0 != d0)
+            | (oz0 < z1) & (z0 < oz1) & (oz0 != z0)
+        ):  # fmt: skip
+            return OVERLAPPING_BUFFERS
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
     written = ZERO
     run_src = run_dst = run_size = ZERO
@@ -485,46 +504,6 @@ def coalesce_kernel(
             out_sizes[written] = size
             written += ONE
     return np.int64(written)
-
-
-@inline_helper
-def outputs_overlap(
-    src: UIntArray,
-    dst: UIntArray,
-    sizes: UIntArray,
-    block_ids: IntArray,
-    offloaded_ids: IntArray,
-) -> bool:
-    """Whether a plan's outputs share memory with each other or with its ids.
-
-    A function of its own: written into plan_kernel, the checks slowed its
-    main loops by a third (LLVM then optimised them differently).
-    """
-    src_at, dst_at, sizes_at = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
-    ids_at, chunks_at = block_ids.ctypes.data, offloaded_ids.ctypes.data
-    return (
-        overlap(src_at, src.nbytes, dst_at, dst.nbytes)
-        or overlap(src_at, src.nbytes, sizes_at, sizes.nbytes)
-        or overlap(dst_at, dst.nbytes, sizes_at, sizes.nbytes)
-        or overlap(src_at, src.nbytes, ids_at, block_ids.nbytes)
-        or overlap(dst_at, dst.nbytes, ids_at, block_ids.nbytes)
-        or overlap(sizes_at, sizes.nbytes, ids_at, block_ids.nbytes)
-        or overlap(src_at, src.nbytes, chunks_at, offloaded_ids.nbytes)
-        or overlap(dst_at, dst.nbytes, chunks_at, offloaded_ids.nbytes)
-        or overlap(sizes_at, sizes.nbytes, chunks_at, offloaded_ids.nbytes)
-    )
-
-
-@inline_helper
-def overlap(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bool:
-    """Whether two arrays, at a_start and b_start, share a byte.
-
-    Takes each array's ``ctypes.data`` and ``nbytes``: one signature serves
-    every array type, so the check costs one small compilation.
-    """
-    a_end = a_start + np.uint64(a_bytes)
-    b_end = b_start + np.uint64(b_bytes)
-    return bool((a_start < b_end) & (b_start < a_end) & (a_bytes > 0) & (b_bytes > 0))
 
 
 @kernel(f"int64({_TABLE}, int64[::1], uint64[::1], uint64[::1], int64[::1])")
