@@ -522,3 +522,24 @@ def test_reference_with_extreme_numbers() -> None:
     assert list(reference.iter_pointer_groups(device_ptrs, bpc)) == list(
         ptrres.iter_pointer_groups(device_ptrs, bpc)
     )
+
+
+@pytest.mark.parametrize("block_id", [2**62, 2**63 - 1, -(2**63)])
+def test_extreme_block_ids_are_refused_without_overflow(resolve, kv, block_id) -> None:  # type: ignore[no-untyped-def]
+    """Without the JIT, the kernel's pointer for such an id overflowed int64
+    (a RuntimeWarning, an error under this suite) before the id was refused."""
+    spec = ptrres.GPULoadStoreSpec(np.array([1, block_id, 3]), [2, 1], [0, 0])
+    with pytest.raises(ptrres.BlockIdError, match=f"block id {block_id}"):
+        resolve(spec, kv)
+
+
+def test_descriptors_at_the_top_of_the_address_space() -> None:
+    """A run ending past 2**64 - 1 continues nothing; without the JIT, the
+    check itself overflowed uint64 (a RuntimeWarning)."""
+    top = 2**64 - 64
+    src = np.array([top, 0, 2**63], np.uint64)
+    dst = np.array([top, 0, 2**63 + 64], np.uint64)
+    sizes = np.array([64, 64, 64], np.uint64)
+    for merge in (ptrres.coalesce, reference.coalesce):
+        merged = merge(src, dst, sizes)
+        assert merged.sizes.tolist() == [64, 64, 64]
