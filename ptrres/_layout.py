@@ -365,7 +365,7 @@ def as_group_sizes(
     if len(negative):
         group = int(negative[0])
         raise SpecError(f"group {group}: group size {int(sizes[group])} is negative")
-    total = int(sizes.sum(dtype=np.uint64))  # no wrap: every size is >= 0
+    total = sum(sizes.tolist())  # exact: a numpy sum wraps around 2**64
     if total != n_block_ids:
         raise SpecError(
             f"group sizes sum to {total} but there are {n_block_ids} block ids"

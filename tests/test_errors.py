@@ -543,3 +543,20 @@ def test_descriptors_at_the_top_of_the_address_space() -> None:
     for merge in (ptrres.coalesce, reference.coalesce):
         merged = merge(src, dst, sizes)
         assert merged.sizes.tolist() == [64, 64, 64]
+
+
+def test_group_sizes_that_wrap_around_2_to_the_64(resolve) -> None:  # type: ignore[no-untyped-def]
+    """Sizes summed in uint64 wrapped to the number of ids: the kernel then
+    read ids before the array's start, and failed an assert."""
+    tensor = random_tensor(8, 16, 0, torch.int8, 0)
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 16)],
+        [[], [], [ptrres.CanonicalKVCacheRef(0, 16)]],
+    )
+    big = 2**63 - 1  # big + big + 4 == 2 (mod 2**64)
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2]), [big, big, 4], [0, 0, 0])
+    with pytest.raises(ptrres.SpecError, match="sum to 18446744073709551618 but"):
+        resolve(spec, kv)
+    spec.group_sizes = np.array([big, big, 4])  # the slow path's own sum
+    with pytest.raises(ptrres.SpecError, match="but there are 2 block ids"):
+        resolve(spec, kv)
