@@ -264,6 +264,18 @@ class PointerTable:
                 f"device_ptrs has {len(ptrs)} ptrs and {len(sizes)} sizes, but its "
                 f"groups make {n_ops} ops"
             )
+        # A group without refs has no pointers to bound its size, only its
+        # share of the offloaded ids: a size they cannot cover fails here,
+        # before an id is allocated for each of its blocks.
+        self._offloaded_refs(offloaded)  # an OffloadedLayout that fits
+        chunk_ids = _block_ids(offloaded_ids, "offloaded_ids")
+        unbounded = sum(n for n, r in zip(group_sizes, ref_counts) if not r)
+        if unbounded > len(chunk_ids) * offloaded.blocks_per_chunk:
+            count_error = _chunk_count_error(
+                chunk_ids, group_sizes, block_indices, offloaded.blocks_per_chunk
+            )
+            if count_error is not None:  # always: they span more chunks
+                raise count_error
         block_ids = np.empty(n_block_ids, np.int64)
         group_size_array = np.array(group_sizes, dtype=np.int64)
         bad_op = _kernels.block_ids_from_pointers(
@@ -283,7 +295,7 @@ class PointerTable:
             n_ops,
             num_bytes,
             offloaded,
-            offloaded_ids,
+            chunk_ids,
             store=store,
             out=out,
             coalesce=coalesce,
@@ -457,16 +469,15 @@ class PointerTable:
         limits = [[ref.num_blocks for ref in group] for group in self._groups]
         if _first_out_of_range(block_ids, group_sizes, limits) is not None:
             return self._block_id_error(block_ids, group_sizes)
-        bpc = offloaded.blocks_per_chunk
+        count_error = _chunk_count_error(
+            chunk_ids, group_sizes, block_indices, offloaded.blocks_per_chunk
+        )
+        if count_error is not None:
+            return count_error
         chunks_per_group = [
-            num_chunks(n, i, bpc) for n, i in zip(group_sizes, block_indices)
+            num_chunks(n, i, offloaded.blocks_per_chunk)
+            for n, i in zip(group_sizes, block_indices)
         ]
-        if len(chunk_ids) != sum(chunks_per_group):
-            return OffloadedIdError(
-                f"there are {len(chunk_ids)} offloaded ids, but the groups span "
-                f"{chunks_per_group} chunks (blocks_per_chunk={bpc}): "
-                f"{sum(chunks_per_group)} in all"
-            )
         off_limits = [
             [offloaded.geometries[ref.tensor_idx].num_chunks for ref in group]
             for group in self._groups
@@ -506,6 +517,25 @@ class PointerTable:
                 )
             op -= group_ops
         raise AssertionError("op index beyond the transfer")
+
+
+def _chunk_count_error(
+    chunk_ids: npt.NDArray[Any],
+    group_sizes: tuple[int, ...],
+    block_indices: tuple[int, ...],
+    blocks_per_chunk: int,
+) -> OffloadedIdError | None:
+    """The error for offloaded ids that are not as many as the groups' chunks."""
+    chunks_per_group = [
+        num_chunks(n, i, blocks_per_chunk) for n, i in zip(group_sizes, block_indices)
+    ]
+    if len(chunk_ids) == sum(chunks_per_group):
+        return None
+    return OffloadedIdError(
+        f"there are {len(chunk_ids)} offloaded ids, but the groups span "
+        f"{chunks_per_group} chunks (blocks_per_chunk={blocks_per_chunk}): "
+        f"{sum(chunks_per_group)} in all"
+    )
 
 
 def max_run_arg(max_run_bytes: Any) -> int:

@@ -560,3 +560,24 @@ def test_group_sizes_that_wrap_around_2_to_the_64(resolve) -> None:  # type: ign
     spec.group_sizes = np.array([big, big, 4])  # the slow path's own sum
     with pytest.raises(ptrres.SpecError, match="but there are 2 block ids"):
         resolve(spec, kv)
+
+
+def test_device_pointers_with_a_huge_group_without_refs() -> None:
+    """A group without refs has no pointers to bound its size: one of 2**40
+    blocks made plan_from_device_pointers allocate 8 TiB (MemoryError)."""
+    tensor = random_tensor(8, 16, 0, torch.int8, 0)
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 16)],
+        [[], [ptrres.CanonicalKVCacheRef(0, 16)]],
+    )
+    table = ptrres.PointerTable(kv)
+    offloaded = ptrres.OffloadedLayout([np.zeros((8, 16), np.int8)], 1)
+    device_ptrs = table.resolve(ptrres.GPULoadStoreSpec([1, 5], [0, 2], [0, 0]))
+    device_ptrs.group_block_counts = (2**40, 2)
+    with pytest.raises(ptrres.OffloadedIdError, match=r"span \[1099511627776, 2\]"):
+        table.plan_from_device_pointers(device_ptrs, offloaded, [3, 4], store=True)
+    device_ptrs.group_block_counts = (3, 2)  # fine, with 3 + 2 chunk ids
+    plan = table.plan_from_device_pointers(
+        device_ptrs, offloaded, [0, 1, 2, 3, 4], store=True
+    )
+    assert plan.src.tolist() == [tensor[1].data_ptr(), tensor[5].data_ptr()]
