@@ -581,3 +581,22 @@ def test_device_pointers_with_a_huge_group_without_refs() -> None:
         device_ptrs, offloaded, [0, 1, 2, 3, 4], store=True
     )
     assert plan.src.tolist() == [tensor[1].data_ptr(), tensor[5].data_ptr()]
+
+
+def test_offloaded_layout_cannot_be_changed() -> None:
+    """Setting blocks_per_chunk from 2 to 4 kept sub-blocks of half a row: the
+    last sub-blocks of the last chunk lay past the offloaded tensor."""
+    tensor = random_tensor(8, 16, 0, torch.int8, 0)
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 16)],
+        [[ptrres.CanonicalKVCacheRef(0, 8)]],
+    )
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 32), np.int8)], 2)
+    with pytest.raises(AttributeError, match="OffloadedLayout is read-only"):
+        offloaded.blocks_per_chunk = 4  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="read-only"):
+        del offloaded.geometries
+    spec = ptrres.GPULoadStoreSpec([1, 2, 3, 4])
+    plan = ptrres.PointerTable(kv).plan_transfer(spec, offloaded, [3, 2], store=True)
+    base = offloaded.geometries[0].base_ptr
+    assert (plan.dst - base).tolist() == [96, 112, 64, 80]
