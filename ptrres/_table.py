@@ -539,13 +539,19 @@ def _chunk_count_error(
 
 
 def max_run_arg(max_run_bytes: Any) -> int:
-    """max_run_bytes (None or an int >= 1), checked, as the kernels take it."""
+    """max_run_bytes (None or an int >= 1), checked, as the kernels take it.
+
+    The kernels take an int64 and read it as uint64: a cap of 2**63 or more
+    goes as its two's complement, and 2**64 - 1 or more means no cap (NO_CAP).
+    """
     if max_run_bytes is None:
         return _kernels.NO_CAP
     cap = as_int(max_run_bytes, "max_run_bytes")
     if cap < 1:
         raise SpecError(f"max_run_bytes must be >= 1, got {cap}")
-    return cap if cap < 2**63 else _kernels.NO_CAP
+    if cap >= 2**64 - 1:
+        return _kernels.NO_CAP
+    return cap if cap < 2**63 else cap - 2**64
 
 
 def _block_ids(block_ids: Any, what: str = "block_ids") -> npt.NDArray[Any]:

@@ -600,3 +600,17 @@ def test_offloaded_layout_cannot_be_changed() -> None:
     plan = ptrres.PointerTable(kv).plan_transfer(spec, offloaded, [3, 2], store=True)
     base = offloaded.geometries[0].base_ptr
     assert (plan.dst - base).tolist() == [96, 112, 64, 80]
+
+
+@pytest.mark.parametrize("cap", [2**63, 2**63 + 8, 2**64 - 2])
+def test_caps_of_2_to_the_63_and_more_are_kept(cap) -> None:  # type: ignore[no-untyped-def]
+    """Every cap of 2**63 or more meant no cap at all."""
+    src = np.array([0, 64], np.uint64)
+    dst = np.array([2**20, 2**20 + 64], np.uint64)
+    sizes = np.array([64, cap - 63], np.uint64)  # together one byte over the cap
+    for merge in (ptrres.coalesce, reference.coalesce):
+        assert merge(src, dst, sizes, max_run_bytes=cap).sizes.tolist() == [
+            64,
+            cap - 63,
+        ]
+        assert merge(src, dst, sizes, max_run_bytes=cap + 1).sizes.tolist() == [cap + 1]
