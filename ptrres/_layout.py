@@ -392,6 +392,12 @@ def _as_int_array(values: Any, what: str) -> npt.NDArray[np.int64]:
     """A 1-D int64 array from a sequence of ints; no silent float truncation."""
     if isinstance(values, (str, bytes)) or values is None:
         raise InputTypeError(f"{what} must be a sequence of ints, got {values!r}")
+    if isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
+        # numpy would make [0, 2**63] float64, and [2**64] an object array.
+        for value in values:
+            if not -(2**63) <= value < 2**63:
+                raise SpecError(f"{what} holds {value}, which is too large")
+        return np.array(values, np.int64)
     try:
         array = np.asarray(values)
     except (TypeError, ValueError, OverflowError) as exc:

@@ -418,7 +418,7 @@ class PointerTable:
                 ):
                     if type(size) is not int or type(index) is not int:
                         break
-                    if size < 0 or index < 0:
+                    if size < 0 or index >> 63:  # index < 0 or >= 2**63
                         break
                     n_ids += size
                     n_ops += size * refs

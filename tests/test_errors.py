@@ -614,3 +614,19 @@ def test_caps_of_2_to_the_63_and_more_are_kept(cap) -> None:  # type: ignore[no-
             cap - 63,
         ]
         assert merge(src, dst, sizes, max_run_bytes=cap + 1).sizes.tolist() == [cap + 1]
+
+
+@pytest.mark.parametrize("index", [2**63, 2**64, 2**100])
+def test_block_index_too_large_for_int64(resolve, kv, index) -> None:  # type: ignore[no-untyped-def]
+    """The fast path took any Python int >= 0 as a block index, which a plan
+    then could not convert (OverflowError); the reference refused it."""
+    spec = ptrres.GPULoadStoreSpec([1, 2, 3], [2, 1], [0, index])
+    with pytest.raises(ptrres.SpecError, match=f"block_indices holds {index}, which"):
+        resolve(spec, kv)
+    device_ptrs = ptrres.resolve_device_pointers(good_spec(), kv)
+    device_ptrs.block_indices = (0, index)
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    with pytest.raises(ptrres.SpecError, match="which is too large"):
+        ptrres.PointerTable(kv).plan_from_device_pointers(
+            device_ptrs, offloaded, [0, 1, 2], store=True
+        )
