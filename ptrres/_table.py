@@ -403,32 +403,29 @@ class PointerTable:
         checks, which also produce the error messages. (A set or a dict would
         pass the loop, in no meaningful order: the thorough checks refuse it.)
         """
-        try:
-            if (
-                type(group_sizes) in _LIST_OR_TUPLE
-                and type(block_indices) in _LIST_OR_TUPLE
-                and len(group_sizes) == len(block_indices) == self.num_groups
+        if (
+            type(group_sizes) in _LIST_OR_TUPLE
+            and type(block_indices) in _LIST_OR_TUPLE
+            and len(group_sizes) == len(block_indices) == self.num_groups
+        ):
+            n_ops = n_ids = num_bytes = 0
+            for size, refs, page_bytes, index in zip(
+                group_sizes,
+                self.group_data_ref_counts,
+                self.group_page_bytes,
+                block_indices,
             ):
-                n_ops = n_ids = num_bytes = 0
-                for size, refs, page_bytes, index in zip(
-                    group_sizes,
-                    self.group_data_ref_counts,
-                    self.group_page_bytes,
-                    block_indices,
-                ):
-                    if type(size) is not int or type(index) is not int:
-                        break
-                    if size < 0 or index >> 63:  # index < 0 or >= 2**63
-                        break
-                    n_ids += size
-                    n_ops += size * refs
-                    num_bytes += size * page_bytes
-                else:
-                    if n_ids == n_block_ids:
-                        sizes_tuple = tuple(group_sizes)
-                        return n_ops, num_bytes, sizes_tuple, tuple(block_indices)
-        except TypeError:
-            pass
+                if type(size) is not int or type(index) is not int:
+                    break
+                if size < 0 or index >> 63:  # index < 0 or >= 2**63
+                    break
+                n_ids += size
+                n_ops += size * refs
+                num_bytes += size * page_bytes
+            else:
+                if n_ids == n_block_ids:
+                    sizes_tuple = tuple(group_sizes)
+                    return n_ops, num_bytes, sizes_tuple, tuple(block_indices)
         sizes = tuple(
             as_group_sizes(group_sizes, self.num_groups, n_block_ids).tolist()
         )
@@ -499,24 +496,23 @@ class PointerTable:
         self, op: int, ptrs: npt.NDArray[np.uint64], group_sizes: tuple[int, ...]
     ) -> DevicePointerError:
         """The error for device pointer ``op``, which is not a block of its ref."""
-        for group, n_blocks in enumerate(group_sizes):
-            group_ops = n_blocks * self.group_data_ref_counts[group]
-            if op < group_ops:
-                d, position = divmod(op, n_blocks)
-                ref = self._groups[group][d]
-                value = int(ptrs[op])
-                return DevicePointerError(
-                    f"group {group}, position {position}: device pointer 0x{value:x} "
-                    f"with its size is not a block of ref {d} (tensor "
-                    f"{ref.tensor_idx} at 0x{ref.base_ptr:x}, row stride "
-                    f"{ref.row_stride_bytes} B, {ref.num_blocks} blocks, page "
-                    f"{ref.page_size_bytes} B), or not the same block as ref 0's",
-                    group=group,
-                    position=position,
-                    value=value,
-                )
-            op -= group_ops
-        raise AssertionError("op index beyond the transfer")
+        value = int(ptrs[op])
+        group = 0
+        while op >= group_sizes[group] * self.group_data_ref_counts[group]:
+            op -= group_sizes[group] * self.group_data_ref_counts[group]
+            group += 1
+        d, position = divmod(op, group_sizes[group])
+        ref = self._groups[group][d]
+        return DevicePointerError(
+            f"group {group}, position {position}: device pointer 0x{value:x} "
+            f"with its size is not a block of ref {d} (tensor "
+            f"{ref.tensor_idx} at 0x{ref.base_ptr:x}, row stride "
+            f"{ref.row_stride_bytes} B, {ref.num_blocks} blocks, page "
+            f"{ref.page_size_bytes} B), or not the same block as ref 0's",
+            group=group,
+            position=position,
+            value=value,
+        )
 
 
 def _chunk_count_error(
