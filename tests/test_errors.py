@@ -630,3 +630,127 @@ def test_block_index_too_large_for_int64(resolve, kv, index) -> None:  # type: i
         ptrres.PointerTable(kv).plan_from_device_pointers(
             device_ptrs, offloaded, [0, 1, 2], store=True
         )
+
+
+def test_reference_refuses_what_ptrres_refuses(kv) -> None:  # type: ignore[no-untyped-def]
+    """Each bad input, through ptrres and through the reference: the same error."""
+    fields = vars(ptrres.resolve_device_pointers(good_spec(), kv))
+    for changed, pattern in [
+        ({"block_indices": (0,)}, "have 2, 2 and 1 entries|differ in length"),
+        ({"group_block_counts": (2, -1)}, "group 1: "),
+    ]:
+        device_ptrs = SimpleNamespace(**{**fields, **changed})
+        for iterate in (ptrres.iter_pointer_groups, reference.iter_pointer_groups):
+            with pytest.raises(ptrres.SpecError, match=pattern):
+                list(iterate(device_ptrs, 2))
+
+    tensors = [np.zeros((4, 16), np.int8)] * 2
+    table = ptrres.PointerTable(kv)
+    for ids, store, error, pattern in [
+        ([0, 1, 2], 1, ptrres.InputTypeError, "store must be True or False"),
+        ([0, 1], True, ptrres.OffloadedIdError, "there are 2 offloaded ids"),
+        ([0, 4, 2], True, ptrres.OffloadedIdError, "position 1: offloaded id 4"),
+    ]:
+        with pytest.raises(error, match=pattern):
+            table.plan_transfer(
+                good_spec(), ptrres.OffloadedLayout(tensors, 1), ids, store=store
+            )
+        with pytest.raises(error, match=pattern):
+            reference.plan_transfer(good_spec(), kv, tensors, 1, ids, store=store)
+
+    uneven = (np.zeros(3, np.int64), np.zeros(2, np.int64), np.zeros(3, np.int64))
+    for merge in (ptrres.coalesce, reference.coalesce):
+        with pytest.raises(ptrres.SpecError, match=r"3, 2 and 3 entries|differ"):
+            merge(*uneven)
+        with pytest.raises(ptrres.SpecError, match="max_run_bytes must be >= 1"):
+            merge(*[np.zeros(2, np.int64)] * 3, max_run_bytes=0)
+
+
+def test_tensor_rows_that_run_backwards() -> None:
+    backwards = np.zeros((4, 16), np.int8)[::-1]
+    with pytest.raises(ptrres.LayoutError, match=r"negative row stride \(-16 B\)"):
+        ptrres.PointerTable(one_tensor_layout(backwards))
+    with pytest.raises(ptrres.LayoutError, match="negative row stride"):
+        ptrres.OffloadedLayout([backwards], 1)
+
+
+def test_offloaded_rows_that_overlap() -> None:
+    """A device tensor's rows may overlap (pages are read); chunks may not."""
+    overlapping = np.lib.stride_tricks.as_strided(
+        np.zeros(64, np.int8), shape=(4, 16), strides=(8, 1)
+    )
+    with pytest.raises(ptrres.LayoutError, match=r"rows of 16 B overlap \(row st"):
+        ptrres.OffloadedLayout([overlapping], 1)
+
+
+SPEC_FIELDS = {"block_ids": [1, 2, 3], "group_sizes": [2, 1], "block_indices": [0, 0]}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "pattern"),
+    [
+        ("block_ids", [1, [2], 3], ptrres.InputTypeError, "not an integer array"),
+        ("group_sizes", [[2], [1, 0]], ptrres.InputTypeError, "sequence of ints:"),
+        ("group_sizes", [[2], [1]], ptrres.InputTypeError, r"1-D, got shape \(2, 1\)"),
+        ("group_sizes", np.array([2**63, 0], np.uint64), ptrres.SpecError, "too large"),
+    ],
+)
+def test_spec_fields_numpy_reads_oddly(
+    resolve, kv, field, value, error, pattern
+) -> None:  # type: ignore[no-untyped-def]
+    """Ragged, 2-D or too large: each field is named."""
+    spec = SimpleNamespace(**{**SPEC_FIELDS, field: value})
+    with pytest.raises(error, match=pattern):
+        resolve(spec, kv)
+    spec = SimpleNamespace(
+        **{**SPEC_FIELDS, field: np.array(SPEC_FIELDS[field], np.uint8)}
+    )
+    assert len(resolve(spec, kv).ptrs) == 5  # any integer dtype does
+
+
+def test_no_groups_at_all(resolve) -> None:  # type: ignore[no-untyped-def]
+    kv = ptrres.CanonicalKVCaches([], [])
+    spec = SimpleNamespace(
+        block_ids=[], group_sizes=np.array([], int), block_indices=()
+    )
+    assert len(resolve(spec, kv).ptrs) == 0
+    assert repr(ptrres.PointerTable(kv)) == "PointerTable(0 groups, refs per group ())"
+
+
+def test_descriptors_that_are_not_contiguous_and_an_unaligned_out() -> None:
+    strided = np.arange(8, dtype=np.int64)[::2] * 8  # 0, 16, 32, 48: gaps
+    merged = ptrres.coalesce(strided, strided + 1000, np.full(4, 8))
+    assert merged.sizes.tolist() == [8, 8, 8, 8]
+    merged = ptrres.coalesce(strided, strided + 1000, np.full(8, 16)[::2])
+    assert merged.sizes.tolist() == [64]
+    unaligned = np.zeros(33, np.uint8)[1:].view(np.int64)
+    with pytest.raises(ptrres.OutBufferError, match="not aligned to 8 bytes"):
+        ptrres.coalesce(*[np.zeros(4, np.int64)] * 3, out=(unaligned,) * 3)
+    layout = ptrres.OffloadedLayout([np.zeros((2, 8), np.int8)], 2)
+    assert repr(layout) == "OffloadedLayout(1 tensors, blocks_per_chunk=2)"
+
+
+def test_offloaded_entry_that_cannot_say_what_it_holds() -> None:
+    class BrokenProxy:
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(f"broken proxy: {name}")
+
+    with pytest.raises(ptrres.InputTypeError, match=r"offloaded tensors\[0\]: read"):
+        ptrres.OffloadedLayout([BrokenProxy()], 1)
+
+
+def test_inputs_that_take_the_long_way_but_are_fine(kv) -> None:  # type: ignore[no-untyped-def]
+    """long long buffers (int64, but not numpy's int64 dtype object), offloaded
+    tensors given as CanonicalKVCacheTensor, an empty group in a count error."""
+    assert np.dtype(np.longlong) == np.int64
+    out = (np.zeros(5, np.longlong), np.zeros(5, np.longlong))
+    device_ptrs = ptrres.PointerTable(kv).resolve(good_spec(), out=out)
+    assert device_ptrs.ptrs.tolist() == out[0].astype(np.uint64).tolist()
+    tensor = np.zeros((4, 16), np.int8)
+    wrapped = ptrres.OffloadedLayout([ptrres.CanonicalKVCacheTensor(tensor, 16)], 1)
+    assert wrapped.geometries == ptrres.OffloadedLayout([tensor], 1).geometries
+    spec = ptrres.GPULoadStoreSpec([1, 2], [2, 0], [0, 0])
+    with pytest.raises(ptrres.OffloadedIdError, match=r"span \[2, 0\] chunks"):
+        ptrres.PointerTable(kv).plan_transfer(
+            spec, ptrres.OffloadedLayout([tensor] * 2, 1), [0], store=True
+        )
