@@ -5,10 +5,12 @@ process's resident memory (RSS), the number of blocks Python's allocator holds
 and, where it is on, what tracemalloc traces (numpy's array data included);
 runs the calls; and takes them again. The slack allowed is a tenth of what a
 leak of LEAK bytes per call would add (RSS: at least 1 MiB, its page and
-arena granularity), and test_the_measures_catch_a_small_leak shows that such a
-leak fails them.
-tracemalloc slows every allocation about fivefold, so it watches a tenth of
-the million; RSS and the allocator's blocks watch all of it.
+arena granularity). test_the_measures_catch_a_small_leak shows that such a
+leak fails the allocator's blocks and tracemalloc; RSS is the coarse measure
+(small objects can fill free space the heap already holds, which RSS does not
+see), kept for leaks outside Python's allocators. tracemalloc slows every
+allocation about fivefold, so it watches a tenth of the million; RSS and the
+allocator's blocks watch all of it.
 """
 
 from __future__ import annotations
@@ -168,4 +170,4 @@ def test_the_measures_catch_a_small_leak(setup: Setup) -> None:
     assert {"blocks", "traced"} <= measured.excess(), measured
     leaked.clear()
     measured = growth(leaky, max(CALLS // 10, 20_000), traced=False)
-    assert {"rss", "blocks"} <= measured.excess(), measured
+    assert "blocks" in measured.excess(), measured
