@@ -32,7 +32,8 @@ def coalesce(
         max_run_bytes: the largest merged descriptor; a descriptor larger than
             that on its own stays as it is.
         out: optional ``(src, dst, sizes)`` buffers (int64 or uint64), at least
-            as long as the input; they may be the input arrays themselves.
+            as long as the input; each may be its own input array (in place),
+            but no other array.
 
     Returns:
         A TransferPlan of the merged descriptors (uint64 views of ``out`` when

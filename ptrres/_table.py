@@ -98,8 +98,9 @@ class PointerTable:
                 ``group_sizes`` and ``block_indices``.
             out: optional ``(ptrs, sizes)`` buffers, 1-D int64 or uint64, at
                 least as long as the number of ops (numpy views of pinned
-                torch tensors, say). The result's arrays are then uint64 views
-                of them, and nothing is allocated.
+                torch tensors, say), apart from each other and from the ids.
+                The result's arrays are then uint64 views of them, and nothing
+                is allocated.
 
         Returns:
             DevicePointers with uint64 ``ptrs`` and ``sizes``, ordered group ->
@@ -177,8 +178,9 @@ class PointerTable:
             store: True for device -> offloaded (src is the device side),
                 False for offloaded -> device.
             out: optional ``(src, dst, sizes)`` buffers, 1-D int64 or uint64,
-                at least as long as the number of ops (before coalescing).
-                The plan's arrays are then uint64 views of them.
+                at least as long as the number of ops (before coalescing),
+                apart from each other and from the ids. The plan's arrays are
+                then uint64 views of them.
             coalesce: merge descriptors that continue each other on both sides
                 in the same pass, as coalesce() does.
             max_run_bytes: the largest merged descriptor, when coalescing.
