@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _kernels
 from ._errors import SpecError
-from ._layout import descriptor_array, out_view
+from ._layout import descriptor_array, out_count_error, out_view, overlap_error
 from ._table import max_run_arg
 from ._types import TransferPlan
 
@@ -32,7 +32,8 @@ def coalesce(
         max_run_bytes: the largest merged descriptor; a descriptor larger than
             that on its own stays as it is.
         out: optional ``(src, dst, sizes)`` buffers (int64 or uint64), at least
-            as long as the input; they may be the input arrays themselves.
+            as long as the input; each may be its own input array (in place),
+            but no other array.
 
     Returns:
         A TransferPlan of the merged descriptors (uint64 views of ``out`` when
@@ -50,12 +51,19 @@ def coalesce(
     if out is None:
         out_src, out_dst, out_sizes = (np.empty(n, np.uint64) for _ in range(3))
     else:
-        out_src = out_view(out[0], n, "out[0] (src)")
-        out_dst = out_view(out[1], n, "out[1] (dst)")
-        out_sizes = out_view(out[2], n, "out[2] (sizes)")
-    written, num_bytes = _kernels.coalesce_kernel(
+        try:
+            src_out, dst_out, sizes_out = out
+        except (TypeError, ValueError):
+            raise out_count_error(out, ("src", "dst", "sizes")) from None
+        out_src = out_view(src_out, n, "out[0] (src)")
+        out_dst = out_view(dst_out, n, "out[1] (dst)")
+        out_sizes = out_view(sizes_out, n, "out[2] (sizes)")
+    num_bytes = int(sizes_in.sum(dtype=np.uint64))
+    written = _kernels.coalesce_kernel(
         src_in, dst_in, sizes_in, max_run, out_src, out_dst, out_sizes
     )
+    if written == _kernels.OVERLAPPING_BUFFERS:
+        raise overlap_error("out's src, dst and sizes (each may be its own input)")
     return TransferPlan(
-        out_src[:written], out_dst[:written], out_sizes[:written], int(num_bytes)
+        out_src[:written], out_dst[:written], out_sizes[:written], num_bytes
     )

@@ -9,6 +9,7 @@ wrong dtype fails loudly instead of compiling in the middle of a serving step.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,7 +19,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 JIT_OPTIONS: dict[str, Any] = {
     # Compiled code is written next to the module (or to Numba's user-wide
-    # cache when that is read-only) and loaded by later processes.
+    # cache when that is read-only) and loaded by later processes. Where no
+    # place is writable, kernels are compiled uncached: see _jit().
     "cache": True,
     # Kernels touch only the arrays they are given: callers' threads run
     # them concurrently.
@@ -40,9 +42,9 @@ def kernel(*signatures: str) -> Callable[[F], F]:
     """Compile a function with JIT_OPTIONS, lazily, for the given signatures."""
 
     def decorate(function: F) -> F:
-        dispatcher = numba.njit(**JIT_OPTIONS)(function)
+        dispatcher = _jit(function)
         KERNELS.append((dispatcher, signatures))
-        return dispatcher  # type: ignore[no-any-return]
+        return dispatcher
 
     return decorate
 
@@ -51,4 +53,34 @@ def inline_helper(function: F) -> F:
     """Compile a function called only from kernels (compiled into its callers)."""
     # Inlined in Numba's IR: LLVM does not inline across Numba functions, and
     # a call in an inner loop costs more than the work it does.
-    return numba.njit(**JIT_OPTIONS)(function)  # type: ignore[no-any-return]
+    return _jit(function)
+
+
+# Why Numba cannot cache kernels in this process (None while it can).
+cache_refused: str | None = None
+
+
+def _jit(function: F) -> F:
+    """numba.njit(**JIT_OPTIONS), uncached when Numba has nowhere to cache.
+
+    With cache=True, Numba looks for a writable cache directory when a function
+    is decorated (at import): NUMBA_CACHE_DIR, the package's __pycache__, then
+    the user-wide cache (~/.cache/numba). When none is writable (a read-only
+    install run by a user without a writable home, say) it raises, and ptrres
+    would not import. Then every kernel is compiled uncached, in each process,
+    and one warning says why.
+    """
+    global cache_refused
+    if cache_refused is None:
+        try:
+            return numba.njit(**JIT_OPTIONS)(function)  # type: ignore[no-any-return]
+        except RuntimeError as exc:  # "cannot cache function ...: no locator"
+            cache_refused = str(exc)
+            warnings.warn(
+                f"ptrres: Numba cannot cache compiled kernels ({exc}); they are "
+                "compiled in each process instead, at warmup() or first use. "
+                "Set NUMBA_CACHE_DIR to a writable directory to cache them.",
+                stacklevel=3,  # the kernel's definition
+            )
+    uncached = numba.njit(**dict(JIT_OPTIONS, cache=False))
+    return uncached(function)  # type: ignore[no-any-return]

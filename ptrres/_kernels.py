@@ -1,10 +1,12 @@
 """The compiled kernels. They only compute into arrays they are given.
 
 A kernel never sees a Python object and never raises. It returns how many
-entries it wrote, or a negative status (BAD_BLOCK_ID, BAD_OFFLOADED_ID) when
-an id is out of range; the wrapper then finds the first bad id and raises an
-error that names the group, the position and the value. What a failed call
-wrote is never returned: the wrapper zeroes it.
+entries it wrote, or a negative status: BAD_BLOCK_ID or BAD_OFFLOADED_ID when
+an id is out of range (the wrapper then finds the first bad id and raises an
+error that names the group, the position and the value), OVERLAPPING_BUFFERS
+when an output shares memory with another output or an input (checked before
+anything is written). What a failed call wrote is never returned: the wrapper
+zeroes it.
 
 Indices are unsigned wherever they are computed: Numba then adds no
 negative-index wraparound, and the inner loops vectorise. A range check is
@@ -42,6 +44,9 @@ OFF_COLUMNS = 4
 # exactly the declared signature.
 BAD_BLOCK_ID = np.int64(-1)
 BAD_OFFLOADED_ID = np.int64(-2)
+# An output shares memory with another output or with an input: nothing is
+# written, since the results would overwrite each other or the ids.
+OVERLAPPING_BUFFERS = np.int64(-3)
 
 # max_run_bytes when runs are not capped. Kernels take the cap as an int64
 # (Numba types a Python int faster than a numpy scalar) and read it as uint64:
@@ -81,8 +86,19 @@ def resolve_kernel(
         ptrs, sizes: outputs, at least as long as the number of ops.
 
     Returns:
-        The number of ops written, or BAD_BLOCK_ID.
+        The number of ops written, BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
+    # No output may share a byte with the other or with the ids (written
+    # out: a helper function or a loop costs compile time, and in plan_kernel
+    # speed). The outputs are both empty or both not.
+    if ptrs.size:
+        p0, s0, i0 = ptrs.ctypes.data, sizes.ctypes.data, block_ids.ctypes.data
+        p1, s1 = p0 + np.uint64(ptrs.nbytes), s0 + np.uint64(sizes.nbytes)
+        i1 = i0 + np.uint64(block_ids.nbytes)
+        if (p0 < s1) & (s0 < p1) | (i0 < i1) & (
+            (p0 < i1) & (i0 < p1) | (s0 < i1) & (i0 < s1)
+        ):  # fmt: skip
+            return OVERLAPPING_BUFFERS
     op = ZERO
     first_id = ZERO
     for group in range(group_sizes.shape[0]):
@@ -93,12 +109,14 @@ def resolve_kernel(
             page_size = ref_table[ref, PAGE_SIZE]
             num_blocks = np.uint64(ref_table[ref, NUM_BLOCKS])
             # The range check is accumulated without a branch, so that the
-            # loop vectorises.
+            # loop vectorises; meanwhile a bad id counts as block 0, so that
+            # no product overflows (the pointers are zeroed anyway).
             out_of_range = False
             for k in range(n_blocks):
-                block_id = block_ids[first_id + k]
-                out_of_range |= np.uint64(block_id) >= num_blocks
-                ptrs[op + k] = base_ptr + np.int64(block_id) * row_stride
+                block_id = np.int64(block_ids[first_id + k])
+                bad = np.uint64(block_id) >= num_blocks
+                out_of_range |= bad
+                ptrs[op + k] = base_ptr + (0 if bad else block_id) * row_stride
                 sizes[op + k] = page_size
             if out_of_range:
                 return BAD_BLOCK_ID
@@ -145,8 +163,24 @@ def plan_kernel(
 
     Returns:
         The number of descriptors written, BAD_OFFLOADED_ID (also for a wrong
-        number of offloaded ids) or BAD_BLOCK_ID.
+        number of offloaded ids), BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
+    # No output may share a byte with another or with the ids (written out,
+    # as in resolve_kernel). The outputs are all empty or all not.
+    if src.size:
+        s0, d0, z0 = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
+        s1, d1 = s0 + np.uint64(src.nbytes), d0 + np.uint64(dst.nbytes)
+        z1 = z0 + np.uint64(sizes.nbytes)
+        b0, c0 = block_ids.ctypes.data, offloaded_ids.ctypes.data
+        b1, c1 = b0 + np.uint64(block_ids.nbytes), c0 + np.uint64(offloaded_ids.nbytes)
+        if (
+            (s0 < d1) & (d0 < s1) | (s0 < z1) & (z0 < s1) | (d0 < z1) & (z0 < d1)
+            | (b0 < b1) & ((s0 < b1) & (b0 < s1) | (d0 < b1) & (b0 < d1)
+                           | (z0 < b1) & (b0 < z1))
+            | (c0 < c1) & ((s0 < c1) & (c0 < s1) | (d0 < c1) & (c0 < d1)
+                           | (z0 < c1) & (c0 < z1))
+        ):  # fmt: skip
+            return OVERLAPPING_BUFFERS
     bpc = np.uint64(blocks_per_chunk)
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
     group_sizes, block_indices = groups[0], groups[1]
@@ -397,23 +431,22 @@ def continues(
 
     It does when it starts where the run ends on both sides (the ends not
     wrapping around the address space) and the grown run stays within
-    max_run_bytes.
+    max_run_bytes. Computed without wrapping (a - run_a only where a >=
+    run_a): without the JIT, numpy warns of every overflow.
     """
-    end_a = run_a + run_size
-    end_b = run_b + run_size
-    # `&`, not `and`: one branch on the result instead of six.
+    # `&`, not `and`: one branch on the result instead of eight.
     return bool(
-        (end_a == a)
-        & (end_b == b)
-        & (end_a >= run_size)
-        & (end_b >= run_size)
+        (a >= run_a)
+        & (b >= run_b)
+        & (a - min(a, run_a) == run_size)
+        & (b - min(b, run_b) == run_size)
         & (run_size <= max_run_bytes)
         & (size <= max_run_bytes - min(run_size, max_run_bytes))
     )
 
 
 @kernel(
-    "Tuple((int64, uint64))(uint64[::1], uint64[::1], uint64[::1], int64,"
+    "int64(uint64[::1], uint64[::1], uint64[::1], int64,"
     " uint64[::1], uint64[::1], uint64[::1])"
 )
 def coalesce_kernel(
@@ -424,22 +457,42 @@ def coalesce_kernel(
     out_src: UIntArray,
     out_dst: UIntArray,
     out_sizes: UIntArray,
-) -> tuple[int, int]:
+) -> int:
     """Merge descriptors that continue each other on both sides (SPEC 6).
 
     The outputs may be the inputs themselves: a descriptor is read before any
-    write reaches its position.
+    write reaches its position. Otherwise no output may share memory with
+    another output or an input.
 
     Returns:
-        The number of descriptors written, and the bytes they copy.
+        The number of descriptors written, or OVERLAPPING_BUFFERS.
     """
+    # No output may share a byte with another output or another input, and
+    # one that overlaps its own input must be it (in place). Written out, as
+    # in resolve_kernel; all six arrays are empty or none is.
+    if sizes.size:
+        os0, od0, oz0 = out_src.ctypes.data, out_dst.ctypes.data, out_sizes.ctypes.data
+        s0, d0, z0 = src.ctypes.data, dst.ctypes.data, sizes.ctypes.data
+        os1, od1 = os0 + np.uint64(out_src.nbytes), od0 + np.uint64(out_dst.nbytes)
+        oz1, z1 = oz0 + np.uint64(out_sizes.nbytes), z0 + np.uint64(sizes.nbytes)
+        s1, d1 = s0 + np.uint64(src.nbytes), d0 + np.uint64(dst.nbytes)
+        if (
+            (os0 < od1) & (od0 < os1) | (os0 < oz1) & (oz0 < os1)
+            | (od0 < oz1) & (oz0 < od1)
+            | (os0 < d1) & (d0 < os1) | (os0 < z1) & (z0 < os1)
+            | (od0 < s1) & (s0 < od1) | (od0 < z1) & (z0 < od1)
+            | (oz0 < s1) & (s0 < oz1) | (oz0 < d1) & (d0 < oz1)
+            | (os0 < s1) & (s0 < os1) & (os0 != s0)
+            | (od0 < d1) & (d0 < od1) & (od0 != d0)
+            | (oz0 < z1) & (z0 < oz1) & (oz0 != z0)
+        ):  # fmt: skip
+            return OVERLAPPING_BUFFERS
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
-    written = num_bytes = ZERO
+    written = ZERO
     run_src = run_dst = run_size = ZERO
     for i in range(sizes.shape[0]):
         # Read before writing: the outputs may be the inputs.
         src_ptr, dst_ptr, size = src[i], dst[i], sizes[i]
-        num_bytes += size
         if written > ZERO and continues(
             run_src, run_dst, run_size, src_ptr, dst_ptr, size, cap
         ):
@@ -451,7 +504,7 @@ def coalesce_kernel(
             out_dst[written] = dst_ptr
             out_sizes[written] = size
             written += ONE
-    return np.int64(written), num_bytes
+    return np.int64(written)
 
 
 @kernel(f"int64({_TABLE}, int64[::1], uint64[::1], uint64[::1], int64[::1])")

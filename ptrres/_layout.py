@@ -15,13 +15,29 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InputTypeError, LayoutError, OutBufferError, SpecError
+from ._errors import (
+    InputTypeError,
+    LayoutError,
+    OutBufferError,
+    PtrresError,
+    SpecError,
+)
 
 INT32 = np.dtype(np.int32)
 INT64 = np.dtype(np.int64)
 UINT64 = np.dtype(np.uint64)
 ID_DTYPES = (INT32, INT64)
 OUT_DTYPES = (INT64, UINT64)
+# The attributes ptrres reads from a GPULoadStoreSpec and a DevicePointers.
+SPEC_FIELDS = ("block_ids", "group_sizes", "block_indices")
+DEVICE_POINTERS_FIELDS = (
+    "ptrs",
+    "sizes",
+    "group_block_counts",
+    "group_data_ref_counts",
+    "block_indices",
+)
+GROUP_FIELDS = DEVICE_POINTERS_FIELDS[2:]  # what iter_pointer_groups reads
 
 
 class TensorGeometry(NamedTuple):
@@ -63,45 +79,98 @@ def as_int(value: Any, what: str, *what_args: object) -> int:
     )
 
 
+def attributes(obj: Any, names: tuple[str, ...], what: str) -> tuple[Any, ...]:
+    """``obj``'s attributes ``names``, or an InputTypeError naming those it lacks."""
+    try:
+        return tuple([getattr(obj, name) for name in names])
+    except AttributeError:
+        raise missing_attributes(obj, names, what) from None
+
+
+def missing_attributes(obj: Any, names: tuple[str, ...], what: str) -> InputTypeError:
+    """The error for an object that lacks some of the attributes it needs."""
+    missing = [name for name in names if not hasattr(obj, name)] or names
+    return InputTypeError(
+        f"{what} must have the attributes {', '.join(names)}; "
+        f"{type(obj).__name__} has no {', '.join(missing)}"
+    )
+
+
+def as_list(values: Any, what: str) -> list[Any]:
+    """A caller's sequence (of tensors, refs, counts...) as a list."""
+    if not isinstance(values, (str, bytes, dict)):
+        try:
+            return list(values)
+        except TypeError:
+            pass
+    raise InputTypeError(f"{what} must be a sequence, got {type(values).__name__}")
+
+
+# The kernels compute pointers in int64: every byte of a tensor must lie below.
+ADDRESS_LIMIT = 2**63 - 1
+
+
 def tensor_geometry(
     tensor: Any, tensor_idx: int, name: str = "tensors[{}].tensor"
 ) -> TensorGeometry:
     """Read the geometry of a torch tensor (any device) or a numpy array.
 
+    Any object with torch's ``data_ptr()``, ``stride()``, ``element_size()`` and
+    ``shape`` will do; one whose answers fail or make no sense is refused.
     ``name`` (formatted with ``tensor_idx``) names the tensor in errors.
     """
+    what = name.format(tensor_idx)
     if isinstance(tensor, np.ndarray):
-        shape: tuple[Any, ...] = tensor.shape
-        base_ptr = tensor.__array_interface__["data"][0]
-        row_stride_bytes = tensor.strides[0] if shape else 0
-        element_size = tensor.itemsize
-    elif hasattr(tensor, "data_ptr"):
-        shape = tensor.shape
-        base_ptr = as_int(tensor.data_ptr(), name + ".data_ptr()", tensor_idx)
-        element_size = as_int(
-            tensor.element_size(), name + ".element_size()", tensor_idx
-        )
-        row_stride_bytes = element_size * (
-            as_int(tensor.stride(0), name + ".stride(0)", tensor_idx)
-            if len(shape)
-            else 0
-        )
+        shape: tuple[int, ...] = tensor.shape
+        base_ptr: int = tensor.__array_interface__["data"][0]
+        row_stride_bytes: int = tensor.strides[0] if shape else 0
+        element_size: int = tensor.itemsize
     else:
-        raise InputTypeError(
-            f"{name.format(tensor_idx)} must be a torch tensor or a numpy array, "
-            f"got {type(tensor).__name__}"
-        )
-    if not len(shape):
+        shape, base_ptr, row_stride_bytes, element_size = _tensor_answers(tensor, what)
+    if not shape:
+        raise LayoutError(f"{what} is 0-d; its first dimension must be blocks")
+    if min(shape) < 0 or element_size < 0:
         raise LayoutError(
-            f"{name.format(tensor_idx)} is 0-d; its first dimension must be blocks"
+            f"{what} has shape {shape} and element size {element_size}: "
+            "none may be negative"
         )
     if row_stride_bytes < 0:
-        raise LayoutError(
-            f"{name.format(tensor_idx)} has a negative row stride "
-            f"({row_stride_bytes} B)"
-        )
+        raise LayoutError(f"{what} has a negative row stride ({row_stride_bytes} B)")
+    num_blocks = shape[0]
     row_bytes = math.prod(shape[1:]) * element_size
-    return TensorGeometry(base_ptr, row_stride_bytes, int(shape[0]), int(row_bytes))
+    end = base_ptr + (num_blocks - 1) * row_stride_bytes + row_bytes
+    if base_ptr < 0 or max(end, row_stride_bytes, num_blocks) > ADDRESS_LIMIT:
+        raise LayoutError(
+            f"{what} at 0x{base_ptr:x} ({num_blocks} rows of {row_bytes} B, "
+            f"{row_stride_bytes} B apart) does not lie between 0 and 2**63 - 1, "
+            "the addresses ptrres computes"
+        )
+    return TensorGeometry(base_ptr, row_stride_bytes, num_blocks, row_bytes)
+
+
+def _tensor_answers(tensor: Any, what: str) -> tuple[tuple[int, ...], int, int, int]:
+    """Shape, data pointer, row stride and element size of a torch-like tensor."""
+    try:
+        if not callable(getattr(tensor, "data_ptr", None)):
+            raise InputTypeError(
+                f"{what} must be a torch tensor or a numpy array, "
+                f"got {type(tensor).__name__}"
+            )
+        raw_shape = tuple(tensor.shape)
+        shape = tuple(
+            as_int(n, "{}.shape[{}]", what, d) for d, n in enumerate(raw_shape)
+        )
+        base_ptr = as_int(tensor.data_ptr(), "{}.data_ptr()", what)
+        element_size = as_int(tensor.element_size(), "{}.element_size()", what)
+        stride = as_int(tensor.stride(0), "{}.stride(0)", what) if shape else 0
+    except PtrresError:
+        raise
+    except Exception as exc:  # a tensor without storage, a broken proxy...
+        raise InputTypeError(
+            f"{what}: reading its shape, data_ptr(), element_size() and stride(0) "
+            f"failed ({type(exc).__name__}: {exc})"
+        ) from exc
+    return shape, base_ptr, stride * element_size, element_size
 
 
 def read_layout(kv_caches: Any) -> list[list[RefRow]]:
@@ -109,25 +178,27 @@ def read_layout(kv_caches: Any) -> list[list[RefRow]]:
 
     Checks the layout as it goes: tensor_idx in range, every page within a row.
     """
+    tensors, group_data_refs = attributes(
+        kv_caches, ("tensors", "group_data_refs"), "kv_caches"
+    )
     geometries = [
-        tensor_geometry(getattr(entry, "tensor", None), t)
-        for t, entry in enumerate(kv_caches.tensors)
+        tensor_geometry(attributes(entry, ("tensor",), f"kv_caches.tensors[{t}]")[0], t)
+        for t, entry in enumerate(as_list(tensors, "kv_caches.tensors"))
     ]
     groups = []
-    for group, refs in enumerate(kv_caches.group_data_refs):
+    for group, refs in enumerate(as_list(group_data_refs, "group_data_refs")):
         rows = []
-        for d, ref in enumerate(refs):
-            tensor_idx = as_int(
-                ref.tensor_idx, "group {}, ref {}: tensor_idx", group, d
+        for d, ref in enumerate(as_list(refs, f"group_data_refs[{group}]")):
+            raw_idx, raw_page = attributes(
+                ref, ("tensor_idx", "page_size_bytes"), f"group {group}, ref {d}"
             )
+            tensor_idx = as_int(raw_idx, "group {}, ref {}: tensor_idx", group, d)
             if not 0 <= tensor_idx < len(geometries):
                 raise LayoutError(
                     f"group {group}, ref {d}: tensor_idx {tensor_idx} is out of "
                     f"range (there are {len(geometries)} tensors)"
                 )
-            page_size = as_int(
-                ref.page_size_bytes, "group {}, ref {}: page_size_bytes", group, d
-            )
+            page_size = as_int(raw_page, "group {}, ref {}: page_size_bytes", group, d)
             geometry = geometries[tensor_idx]
             if not 0 <= page_size <= min(geometry.row_stride_bytes, geometry.row_bytes):
                 raise LayoutError(
@@ -177,13 +248,11 @@ def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometr
     attribute (a CanonicalKVCacheTensor).
     """
     bpc = as_int(blocks_per_chunk, "blocks_per_chunk")
-    if bpc < 1:
-        raise LayoutError(f"blocks_per_chunk must be >= 1, got {bpc}")
+    if not 1 <= bpc < 2**63:  # the kernels take an int64
+        raise LayoutError(f"blocks_per_chunk must be >= 1 and < 2**63, got {bpc}")
     geometries = []
-    for t, tensor in enumerate(tensors):
-        if not hasattr(tensor, "data_ptr") and hasattr(tensor, "tensor"):
-            tensor = tensor.tensor
-        geometry = tensor_geometry(tensor, t, "offloaded tensors[{}]")
+    for t, entry in enumerate(as_list(tensors, "offloaded tensors")):
+        geometry = tensor_geometry(_unwrapped(entry), t, "offloaded tensors[{}]")
         if geometry.row_bytes % bpc:
             raise LayoutError(
                 f"offloaded tensors[{t}]: a row of {geometry.row_bytes} B does not "
@@ -203,6 +272,16 @@ def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometr
             )
         )
     return geometries
+
+
+def _unwrapped(entry: Any) -> Any:
+    """An offloaded tensor given as is, or as the .tensor of an entry."""
+    try:
+        if not hasattr(entry, "data_ptr") and hasattr(entry, "tensor"):
+            return entry.tensor
+    except Exception:  # tensor_geometry() then says what is wrong
+        pass
+    return entry
 
 
 def offloaded_rows(
@@ -286,7 +365,7 @@ def as_group_sizes(
     if len(negative):
         group = int(negative[0])
         raise SpecError(f"group {group}: group size {int(sizes[group])} is negative")
-    total = int(sizes.sum(dtype=np.uint64))  # no wrap: every size is >= 0
+    total = sum(sizes.tolist())  # exact: a numpy sum wraps around 2**64
     if total != n_block_ids:
         raise SpecError(
             f"group sizes sum to {total} but there are {n_block_ids} block ids"
@@ -313,10 +392,20 @@ def _as_int_array(values: Any, what: str) -> npt.NDArray[np.int64]:
     """A 1-D int64 array from a sequence of ints; no silent float truncation."""
     if isinstance(values, (str, bytes)) or values is None:
         raise InputTypeError(f"{what} must be a sequence of ints, got {values!r}")
+    if isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
+        # numpy would make [0, 2**63] float64, and [2**64] an object array.
+        for value in values:
+            if not -(2**63) <= value < 2**63:
+                raise SpecError(f"{what} holds {value}, which is too large")
+        return np.array(values, np.int64)
     try:
         array = np.asarray(values)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InputTypeError(f"{what} must be a sequence of ints: {exc}") from None
+    if array.ndim == 0:  # a scalar, a set, a dict...
+        raise InputTypeError(
+            f"{what} must be a sequence of ints, got {type(values).__name__}"
+        )
     if array.ndim != 1:
         raise InputTypeError(f"{what} must be 1-D, got shape {array.shape}")
     if array.size == 0:
@@ -347,6 +436,23 @@ def descriptor_array(values: Any, what: str) -> npt.NDArray[np.uint64]:
         values = np.array(values, order="C")
     view: npt.NDArray[np.uint64] = values.view(np.uint64)
     return view
+
+
+def out_count_error(out: Any, names: tuple[str, ...]) -> InputTypeError:
+    """The error for an ``out=`` that is not one buffer per output."""
+    count = f"{len(out)} items" if hasattr(out, "__len__") else "not a sequence"
+    return InputTypeError(
+        f"out must hold {len(names)} buffers ({', '.join(names)}): got a "
+        f"{type(out).__name__}, {count}"
+    )
+
+
+def overlap_error(buffers: str) -> OutBufferError:
+    """The error for out= buffers that share memory with each other or an input."""
+    return OutBufferError(
+        f"{buffers} share memory: each out= buffer must be an array of its own, "
+        "apart from the input"
+    )
 
 
 def out_view(buffer: Any, n_ops: int, what: str) -> npt.NDArray[np.uint64]:

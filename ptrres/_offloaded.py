@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from ._layout import OffloadedGeometry, as_int, read_offloaded
 
@@ -14,17 +14,33 @@ class OffloadedLayout:
     tensor_idx): chunk c is its row c, which splits into ``blocks_per_chunk``
     sub-blocks of ``row_bytes // blocks_per_chunk`` bytes, one per device block.
     Like PointerTable, it is read once and holds plain integers, not tensors.
+    It cannot be changed: its sub-block sizes were computed for its
+    blocks_per_chunk, and tables cache it (build a new one instead).
 
     Args:
         tensors: CPU tensors (torch or numpy), or objects with a ``.tensor``.
         blocks_per_chunk: device blocks per offloaded chunk (>= 1).
     """
 
+    __slots__ = ("blocks_per_chunk", "geometries")
+
+    geometries: tuple[OffloadedGeometry, ...]
+    blocks_per_chunk: int
+
     def __init__(self, tensors: Any, blocks_per_chunk: int) -> None:
-        self.geometries: tuple[OffloadedGeometry, ...] = tuple(
-            read_offloaded(tensors, blocks_per_chunk)
+        geometries = tuple(read_offloaded(tensors, blocks_per_chunk))
+        object.__setattr__(self, "geometries", geometries)
+        object.__setattr__(
+            self, "blocks_per_chunk", as_int(blocks_per_chunk, "blocks_per_chunk")
         )
-        self.blocks_per_chunk: int = as_int(blocks_per_chunk, "blocks_per_chunk")
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise AttributeError(
+            f"OffloadedLayout is read-only (setting {name!r}): build a new one"
+        )
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"OffloadedLayout is read-only (deleting {name!r})")
 
     def __repr__(self) -> str:
         return (

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._errors import SpecError
-from ._layout import as_int
+from ._layout import GROUP_FIELDS, as_int, as_list, attributes
 from ._table import PointerTable
 from ._types import DevicePointerGroupInfo, DevicePointers
 
@@ -108,9 +108,12 @@ def iter_pointer_groups(
     blocks_per_chunk = as_int(blocks_per_chunk, "blocks_per_chunk")
     if blocks_per_chunk < 1:
         raise SpecError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-    group_block_counts = tuple(device_ptrs.group_block_counts)
-    group_data_ref_counts = tuple(device_ptrs.group_data_ref_counts)
-    block_indices = tuple(device_ptrs.block_indices)
+    group_block_counts, group_data_ref_counts, block_indices = (
+        tuple(as_list(values, name))
+        for values, name in zip(
+            attributes(device_ptrs, GROUP_FIELDS, "device_ptrs"), GROUP_FIELDS
+        )
+    )
     if not len(group_block_counts) == len(group_data_ref_counts) == len(block_indices):
         raise SpecError(
             "group_block_counts, group_data_ref_counts and block_indices have "

@@ -16,16 +16,23 @@ from ._errors import (
     SpecError,
 )
 from ._layout import (
+    DEVICE_POINTERS_FIELDS,
     ID_DTYPES,
+    SPEC_FIELDS,
     RefRow,
     as_block_ids,
     as_block_indices,
     as_group_sizes,
     as_int,
+    as_list,
+    attributes,
     descriptor_array,
+    missing_attributes,
     num_chunks,
     offloaded_rows,
+    out_count_error,
     out_view,
+    overlap_error,
     read_layout,
 )
 from ._layout import (
@@ -35,6 +42,7 @@ from ._offloaded import OffloadedLayout
 from ._types import DevicePointers, TransferPlan
 
 Buffers = tuple[npt.NDArray[Any], ...]
+_LIST_OR_TUPLE = (list, tuple)
 
 
 class PointerTable:
@@ -44,7 +52,9 @@ class PointerTable:
     checks the layout (tensor_idx in range, every page within its tensor's
     rows). The table holds plain integers, not the tensors: it must not outlive
     the tensors' memory, and a re-allocated tensor needs a new table. A table
-    may be shared by threads: its methods only read it.
+    may be shared by threads: its methods only read it, but for the cache of
+    the offloaded layout last planned with, which is read and replaced as one
+    (layout, its ref table) tuple, so no thread pairs a layout with another's.
 
     Args:
         kv_caches: a CanonicalKVCaches, or any object with ``tensors`` (each with
@@ -68,7 +78,8 @@ class PointerTable:
             sum(ref.page_size_bytes for ref in group) for group in groups
         )
         self.num_groups = len(groups)
-        # The offloaded layout last planned with, and its per-ref table.
+        # The offloaded layout last planned with, and its per-ref table: one
+        # tuple, read and assigned whole (atomic under the GIL), never in parts.
         self._offloaded: tuple[OffloadedLayout, npt.NDArray[np.int64]] | None = None
 
     def __repr__(self) -> str:
@@ -87,8 +98,9 @@ class PointerTable:
                 ``group_sizes`` and ``block_indices``.
             out: optional ``(ptrs, sizes)`` buffers, 1-D int64 or uint64, at
                 least as long as the number of ops (numpy views of pinned
-                torch tensors, say). The result's arrays are then uint64 views
-                of them, and nothing is allocated.
+                torch tensors, say), apart from each other and from the ids.
+                The result's arrays are then uint64 views of them, and nothing
+                is allocated.
 
         Returns:
             DevicePointers with uint64 ``ptrs`` and ``sizes``, ordered group ->
@@ -99,17 +111,26 @@ class PointerTable:
                 entries are then zeroed).
             SpecError, InputTypeError, OutBufferError: malformed input.
         """
-        block_ids = _block_ids(device_spec.block_ids)
+        try:
+            raw_ids = device_spec.block_ids
+            raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
+        except AttributeError:
+            raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
+        block_ids = _block_ids(raw_ids)
         n_ops, _, group_sizes, block_indices = self._check_groups(
-            device_spec.group_sizes, device_spec.block_indices, len(block_ids)
+            raw_sizes, raw_indices, len(block_ids)
         )
         group_size_array = np.array(group_sizes, dtype=np.int64)
         if out is None:
             ptrs = np.empty(n_ops, np.uint64)
             sizes = np.empty(n_ops, np.uint64)
         else:
-            ptrs = out_view(out[0], n_ops, "out[0] (ptrs)")
-            sizes = out_view(out[1], n_ops, "out[1] (sizes)")
+            try:
+                ptrs_out, sizes_out = out
+            except (TypeError, ValueError):
+                raise out_count_error(out, ("ptrs", "sizes")) from None
+            ptrs = out_view(ptrs_out, n_ops, "out[0] (ptrs)")
+            sizes = out_view(sizes_out, n_ops, "out[1] (sizes)")
         status = _kernels.resolve_kernel(
             self.ref_table,
             self.group_ref_start,
@@ -119,6 +140,8 @@ class PointerTable:
             sizes,
         )
         if status < 0:
+            if status == _kernels.OVERLAPPING_BUFFERS:
+                raise overlap_error("out[0] (ptrs), out[1] (sizes) and block_ids")
             ptrs[:] = 0
             sizes[:] = 0
             raise self._block_id_error(block_ids, group_sizes)
@@ -155,8 +178,9 @@ class PointerTable:
             store: True for device -> offloaded (src is the device side),
                 False for offloaded -> device.
             out: optional ``(src, dst, sizes)`` buffers, 1-D int64 or uint64,
-                at least as long as the number of ops (before coalescing).
-                The plan's arrays are then uint64 views of them.
+                at least as long as the number of ops (before coalescing),
+                apart from each other and from the ids. The plan's arrays are
+                then uint64 views of them.
             coalesce: merge descriptors that continue each other on both sides
                 in the same pass, as coalesce() does.
             max_run_bytes: the largest merged descriptor, when coalescing.
@@ -170,9 +194,14 @@ class PointerTable:
             SpecError, LayoutError, InputTypeError, OutBufferError: malformed
                 input.
         """
-        block_ids = _block_ids(device_spec.block_ids)
+        try:
+            raw_ids = device_spec.block_ids
+            raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
+        except AttributeError:
+            raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
+        block_ids = _block_ids(raw_ids)
         n_ops, num_bytes, group_sizes, block_indices = self._check_groups(
-            device_spec.group_sizes, device_spec.block_indices, len(block_ids)
+            raw_sizes, raw_indices, len(block_ids)
         )
         return self._plan(
             block_ids,
@@ -216,24 +245,39 @@ class PointerTable:
             DevicePointerError: a pointer that is not a block of its tensor.
             the errors of plan_transfer().
         """
-        ref_counts = tuple(device_ptrs.group_data_ref_counts)
+        raw_ptrs, raw_sizes, raw_counts, raw_ref_counts, raw_indices = attributes(
+            device_ptrs, DEVICE_POINTERS_FIELDS, "device_ptrs"
+        )
+        ref_counts = tuple(as_list(raw_ref_counts, "group_data_ref_counts"))
         if ref_counts != self.group_data_ref_counts:
             raise SpecError(
                 f"device_ptrs has refs per group {ref_counts}, but this table has "
                 f"{self.group_data_ref_counts}"
             )
-        group_sizes_in = tuple(device_ptrs.group_block_counts)
+        group_sizes_in = tuple(as_list(raw_counts, "group_block_counts"))
         n_block_ids = sum(as_int(n, "group_block_counts") for n in group_sizes_in)
         n_ops, num_bytes, group_sizes, block_indices = self._check_groups(
-            group_sizes_in, tuple(device_ptrs.block_indices), n_block_ids
+            group_sizes_in, tuple(as_list(raw_indices, "block_indices")), n_block_ids
         )
-        ptrs = descriptor_array(device_ptrs.ptrs, "device_ptrs.ptrs")
-        sizes = descriptor_array(device_ptrs.sizes, "device_ptrs.sizes")
+        ptrs = descriptor_array(raw_ptrs, "device_ptrs.ptrs")
+        sizes = descriptor_array(raw_sizes, "device_ptrs.sizes")
         if not len(ptrs) == len(sizes) == n_ops:
             raise SpecError(
                 f"device_ptrs has {len(ptrs)} ptrs and {len(sizes)} sizes, but its "
                 f"groups make {n_ops} ops"
             )
+        # A group without refs has no pointers to bound its size, only its
+        # share of the offloaded ids: a size they cannot cover fails here,
+        # before an id is allocated for each of its blocks.
+        self._offloaded_refs(offloaded)  # an OffloadedLayout that fits
+        chunk_ids = _block_ids(offloaded_ids, "offloaded_ids")
+        unbounded = sum(n for n, r in zip(group_sizes, ref_counts) if not r)
+        if unbounded > len(chunk_ids) * offloaded.blocks_per_chunk:
+            count_error = _chunk_count_error(
+                chunk_ids, group_sizes, block_indices, offloaded.blocks_per_chunk
+            )
+            if count_error is not None:  # always: they span more chunks
+                raise count_error
         block_ids = np.empty(n_block_ids, np.int64)
         group_size_array = np.array(group_sizes, dtype=np.int64)
         bad_op = _kernels.block_ids_from_pointers(
@@ -253,7 +297,7 @@ class PointerTable:
             n_ops,
             num_bytes,
             offloaded,
-            offloaded_ids,
+            chunk_ids,
             store=store,
             out=out,
             coalesce=coalesce,
@@ -296,9 +340,13 @@ class PointerTable:
             dst = np.empty(n_ops, np.uint64)
             sizes = np.empty(n_ops, np.uint64)
         else:
-            src = out_view(out[0], n_ops, "out[0] (src)")
-            dst = out_view(out[1], n_ops, "out[1] (dst)")
-            sizes = out_view(out[2], n_ops, "out[2] (sizes)")
+            try:
+                src_out, dst_out, sizes_out = out
+            except (TypeError, ValueError):
+                raise out_count_error(out, ("src", "dst", "sizes")) from None
+            src = out_view(src_out, n_ops, "out[0] (src)")
+            dst = out_view(dst_out, n_ops, "out[1] (dst)")
+            sizes = out_view(sizes_out, n_ops, "out[2] (sizes)")
         written = _kernels.plan_kernel(
             self.ref_table,
             self.group_ref_start,
@@ -315,6 +363,8 @@ class PointerTable:
             sizes,
         )
         if written < 0:
+            if written == _kernels.OVERLAPPING_BUFFERS:
+                raise overlap_error("out's src, dst and sizes, and the ids")
             src[:] = 0
             dst[:] = 0
             sizes[:] = 0
@@ -350,32 +400,34 @@ class PointerTable:
             The number of ops, the bytes they copy, and the group sizes and
             block indices as tuples of Python ints.
 
-        The common case (sequences of Python ints, as vLLM passes) is checked
-        in a plain loop; anything else goes through the thorough checks, which
-        also produce the error messages.
+        The common case (lists or tuples of Python ints, as vLLM passes) is
+        checked in a plain loop; anything else goes through the thorough
+        checks, which also produce the error messages. (A set or a dict would
+        pass the loop, in no meaningful order: the thorough checks refuse it.)
         """
-        try:
-            if len(group_sizes) == len(block_indices) == self.num_groups:
-                n_ops = n_ids = num_bytes = 0
-                for size, refs, page_bytes, index in zip(
-                    group_sizes,
-                    self.group_data_ref_counts,
-                    self.group_page_bytes,
-                    block_indices,
-                ):
-                    if type(size) is not int or type(index) is not int:
-                        break
-                    if size < 0 or index < 0:
-                        break
-                    n_ids += size
-                    n_ops += size * refs
-                    num_bytes += size * page_bytes
-                else:
-                    if n_ids == n_block_ids:
-                        sizes_tuple = tuple(group_sizes)
-                        return n_ops, num_bytes, sizes_tuple, tuple(block_indices)
-        except TypeError:
-            pass
+        if (
+            type(group_sizes) in _LIST_OR_TUPLE
+            and type(block_indices) in _LIST_OR_TUPLE
+            and len(group_sizes) == len(block_indices) == self.num_groups
+        ):
+            n_ops = n_ids = num_bytes = 0
+            for size, refs, page_bytes, index in zip(
+                group_sizes,
+                self.group_data_ref_counts,
+                self.group_page_bytes,
+                block_indices,
+            ):
+                if type(size) is not int or type(index) is not int:
+                    break
+                if size < 0 or index >> 63:  # index < 0 or >= 2**63
+                    break
+                n_ids += size
+                n_ops += size * refs
+                num_bytes += size * page_bytes
+            else:
+                if n_ids == n_block_ids:
+                    sizes_tuple = tuple(group_sizes)
+                    return n_ops, num_bytes, sizes_tuple, tuple(block_indices)
         sizes = tuple(
             as_group_sizes(group_sizes, self.num_groups, n_block_ids).tolist()
         )
@@ -416,16 +468,15 @@ class PointerTable:
         limits = [[ref.num_blocks for ref in group] for group in self._groups]
         if _first_out_of_range(block_ids, group_sizes, limits) is not None:
             return self._block_id_error(block_ids, group_sizes)
-        bpc = offloaded.blocks_per_chunk
+        count_error = _chunk_count_error(
+            chunk_ids, group_sizes, block_indices, offloaded.blocks_per_chunk
+        )
+        if count_error is not None:
+            return count_error
         chunks_per_group = [
-            num_chunks(n, i, bpc) for n, i in zip(group_sizes, block_indices)
+            num_chunks(n, i, offloaded.blocks_per_chunk)
+            for n, i in zip(group_sizes, block_indices)
         ]
-        if len(chunk_ids) != sum(chunks_per_group):
-            return OffloadedIdError(
-                f"there are {len(chunk_ids)} offloaded ids, but the groups span "
-                f"{chunks_per_group} chunks (blocks_per_chunk={bpc}): "
-                f"{sum(chunks_per_group)} in all"
-            )
         off_limits = [
             [offloaded.geometries[ref.tensor_idx].num_chunks for ref in group]
             for group in self._groups
@@ -447,34 +498,58 @@ class PointerTable:
         self, op: int, ptrs: npt.NDArray[np.uint64], group_sizes: tuple[int, ...]
     ) -> DevicePointerError:
         """The error for device pointer ``op``, which is not a block of its ref."""
-        for group, n_blocks in enumerate(group_sizes):
-            group_ops = n_blocks * self.group_data_ref_counts[group]
-            if op < group_ops:
-                d, position = divmod(op, n_blocks)
-                ref = self._groups[group][d]
-                value = int(ptrs[op])
-                return DevicePointerError(
-                    f"group {group}, position {position}: device pointer 0x{value:x} "
-                    f"with its size is not a block of ref {d} (tensor "
-                    f"{ref.tensor_idx} at 0x{ref.base_ptr:x}, row stride "
-                    f"{ref.row_stride_bytes} B, {ref.num_blocks} blocks, page "
-                    f"{ref.page_size_bytes} B), or not the same block as ref 0's",
-                    group=group,
-                    position=position,
-                    value=value,
-                )
-            op -= group_ops
-        raise AssertionError("op index beyond the transfer")
+        value = int(ptrs[op])
+        group = 0
+        while op >= group_sizes[group] * self.group_data_ref_counts[group]:
+            op -= group_sizes[group] * self.group_data_ref_counts[group]
+            group += 1
+        d, position = divmod(op, group_sizes[group])
+        ref = self._groups[group][d]
+        return DevicePointerError(
+            f"group {group}, position {position}: device pointer 0x{value:x} "
+            f"with its size is not a block of ref {d} (tensor "
+            f"{ref.tensor_idx} at 0x{ref.base_ptr:x}, row stride "
+            f"{ref.row_stride_bytes} B, {ref.num_blocks} blocks, page "
+            f"{ref.page_size_bytes} B), or not the same block as ref 0's",
+            group=group,
+            position=position,
+            value=value,
+        )
+
+
+def _chunk_count_error(
+    chunk_ids: npt.NDArray[Any],
+    group_sizes: tuple[int, ...],
+    block_indices: tuple[int, ...],
+    blocks_per_chunk: int,
+) -> OffloadedIdError | None:
+    """The error for offloaded ids that are not as many as the groups' chunks."""
+    chunks_per_group = [
+        num_chunks(n, i, blocks_per_chunk) for n, i in zip(group_sizes, block_indices)
+    ]
+    if len(chunk_ids) == sum(chunks_per_group):
+        return None
+    return OffloadedIdError(
+        f"there are {len(chunk_ids)} offloaded ids, but the groups span "
+        f"{chunks_per_group} chunks (blocks_per_chunk={blocks_per_chunk}): "
+        f"{sum(chunks_per_group)} in all"
+    )
 
 
 def max_run_arg(max_run_bytes: Any) -> int:
-    """max_run_bytes (None or an int >= 1), checked, as the kernels take it."""
+    """max_run_bytes (None or an int >= 1), checked, as the kernels take it.
+
+    The kernels take an int64 and read it as uint64: a cap of 2**63 or more
+    goes as its two's complement, and 2**64 - 1 or more means no cap (NO_CAP).
+    """
     if max_run_bytes is None:
         return _kernels.NO_CAP
     cap = as_int(max_run_bytes, "max_run_bytes")
     if cap < 1:
         raise SpecError(f"max_run_bytes must be >= 1, got {cap}")
-    return cap if cap < 2**63 else _kernels.NO_CAP
+    if cap >= 2**64 - 1:
+        return _kernels.NO_CAP
+    return cap if cap < 2**63 else cap - 2**64
 
 
 def _block_ids(block_ids: Any, what: str = "block_ids") -> npt.NDArray[Any]:

@@ -18,11 +18,15 @@ import numpy.typing as npt
 
 from ._errors import BlockIdError, InputTypeError, OffloadedIdError, SpecError
 from ._layout import (
+    GROUP_FIELDS,
+    SPEC_FIELDS,
     RefRow,
     as_block_ids,
     as_block_indices,
     as_group_sizes,
     as_int,
+    as_list,
+    attributes,
     descriptor_array,
     offloaded_rows,
     read_layout,
@@ -41,9 +45,12 @@ __all__ = [
 def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> DevicePointers:
     """ptr = base + block_id * row_stride_bytes, for every group, ref and block."""
     layout = read_layout(kv_caches)
-    block_ids = as_block_ids(device_spec.block_ids)
-    group_sizes = as_group_sizes(device_spec.group_sizes, len(layout), len(block_ids))
-    block_indices = as_block_indices(device_spec.block_indices, len(layout))
+    raw_ids, raw_sizes, raw_indices = attributes(
+        device_spec, SPEC_FIELDS, "device_spec"
+    )
+    block_ids = as_block_ids(raw_ids)
+    group_sizes = as_group_sizes(raw_sizes, len(layout), len(block_ids))
+    block_indices = as_block_indices(raw_indices, len(layout))
 
     num_ops = sum(int(n) * len(refs) for n, refs in zip(group_sizes, layout))
     ptrs = np.empty(num_ops, dtype=np.uint64)
@@ -91,11 +98,11 @@ def iter_pointer_groups(
     device_ptrs: Any, blocks_per_chunk: int
 ) -> Iterator[DevicePointerGroupInfo]:
     """One DevicePointerGroupInfo per non-empty group (eager list, as an iterator)."""
-    if as_int(blocks_per_chunk, "blocks_per_chunk") < 1:
+    blocks_per_chunk = as_int(blocks_per_chunk, "blocks_per_chunk")
+    if blocks_per_chunk < 1:
         raise SpecError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-    counts = [tuple(device_ptrs.group_block_counts)]
-    counts += [tuple(device_ptrs.group_data_ref_counts)]
-    counts += [tuple(device_ptrs.block_indices)]
+    fields = attributes(device_ptrs, GROUP_FIELDS, "device_ptrs")
+    counts = [as_list(values, name) for values, name in zip(fields, GROUP_FIELDS)]
     if len({len(c) for c in counts}) != 1:
         raise SpecError(
             "group_block_counts, group_data_ref_counts, block_indices differ in length"
@@ -194,7 +201,8 @@ def coalesce(
     """Merge descriptors that continue each other on both sides (SPEC 6).
 
     Without a cap, runs are found with one vectorised comparison; with one,
-    each descriptor is placed greedily, in order, in plain Python.
+    each descriptor is placed greedily, in order, in plain Python. A merged
+    size must fit in uint64: no cap means a cap of 2**64 - 1.
     """
     src = descriptor_array(src, "src")
     dst = descriptor_array(dst, "dst")
@@ -205,6 +213,10 @@ def coalesce(
     cap = None if max_run_bytes is None else as_int(max_run_bytes, "max_run_bytes")
     if cap is not None and cap < 1:
         raise SpecError(f"max_run_bytes must be >= 1, got {cap}")
+    if cap is None and sizes.sum(dtype=np.float64) >= 2.0**62:
+        cap = 2**64 - 1  # a run could wrap the vectorised sum: merge greedily
+    if cap is not None:
+        cap = min(cap, 2**64 - 1)
     if len(sizes) == 0:
         return TransferPlan(src.copy(), dst.copy(), sizes.copy(), num_bytes)
     # i + 1 continues i when both ends meet, without wrapping around 2**64.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -289,3 +290,467 @@ def test_every_error_is_a_ptrres_error_and_a_value_or_type_error() -> None:
         ):
             assert issubclass(obj, ptrres.PtrresError)
             assert issubclass(obj, (ValueError, TypeError))
+
+
+# Found by tests/test_hostile.py -------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["block_ids", "group_sizes", "block_indices"])
+def test_spec_without_an_attribute(resolve, kv, missing) -> None:  # type: ignore[no-untyped-def]
+    """Was AttributeError; a spec-like object lacking a field is a type error."""
+    fields = {"block_ids": [1, 2, 3], "group_sizes": [2, 1], "block_indices": [0, 0]}
+    del fields[missing]
+    spec = SimpleNamespace(**fields)
+    pattern = (
+        f"device_spec must have the attributes .*; SimpleNamespace has no {missing}"
+    )
+    with pytest.raises(ptrres.InputTypeError, match=pattern):
+        resolve(spec, kv)
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    with pytest.raises(ptrres.InputTypeError, match=pattern):
+        ptrres.PointerTable(kv).plan_transfer(spec, offloaded, [0, 1, 2], store=True)
+
+
+@pytest.mark.parametrize(
+    ("kv_caches", "pattern"),
+    [
+        (
+            SimpleNamespace(tensors=[]),
+            "kv_caches must have the attributes tensors, group_data_refs; "
+            "SimpleNamespace has no group_data_refs",
+        ),
+        (
+            SimpleNamespace(tensors=None, group_data_refs=[]),
+            "kv_caches.tensors must be a sequence, got NoneType",
+        ),
+        (
+            SimpleNamespace(tensors=[], group_data_refs=3),
+            "group_data_refs must be a sequence, got int",
+        ),
+        (
+            SimpleNamespace(tensors=[], group_data_refs=["ab"]),
+            r"group_data_refs\[0\] must be a sequence, got str",
+        ),
+        (
+            SimpleNamespace(tensors=[], group_data_refs=[[SimpleNamespace()]]),
+            "group 0, ref 0 must have the attributes tensor_idx, page_size_bytes",
+        ),
+    ],
+)
+def test_layouts_without_attributes_or_sequences(resolve, kv_caches, pattern) -> None:  # type: ignore[no-untyped-def]
+    """Were AttributeError and TypeError from deep inside; now named."""
+    with pytest.raises(ptrres.InputTypeError, match=pattern):
+        resolve(good_spec(), kv_caches)
+
+
+def test_device_pointers_without_attributes_or_sequences(kv) -> None:  # type: ignore[no-untyped-def]
+    device_ptrs = ptrres.resolve_device_pointers(good_spec(), kv)
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    table = ptrres.PointerTable(kv)
+    for name in ("group_block_counts", "group_data_ref_counts", "block_indices"):
+        fields = dict(vars(device_ptrs))
+        del fields[name]
+        for iterate in (ptrres.iter_pointer_groups, reference.iter_pointer_groups):
+            with pytest.raises(ptrres.InputTypeError, match=f"has no {name}"):
+                list(iterate(SimpleNamespace(**fields), 2))
+            with pytest.raises(ptrres.InputTypeError, match=f"{name} must be a seq"):
+                list(iterate(SimpleNamespace(**fields, **{name: None}), 2))
+        with pytest.raises(ptrres.InputTypeError, match=f"has no {name}"):
+            table.plan_from_device_pointers(
+                SimpleNamespace(**fields), offloaded, [0, 1, 2], store=True
+            )
+    fields = dict(vars(device_ptrs))
+    del fields["ptrs"]
+    with pytest.raises(ptrres.InputTypeError, match="has no ptrs"):
+        table.plan_from_device_pointers(
+            SimpleNamespace(**fields), offloaded, [0, 1, 2], store=True
+        )
+    with pytest.raises(ptrres.InputTypeError, match="offloaded tensors must be a seq"):
+        ptrres.OffloadedLayout(None, 1)
+
+
+class OddTensor:
+    """Answers the calls ptrres makes of a torch tensor, with given values."""
+
+    def __init__(self, base_ptr: Any, stride0: Any, shape: Any) -> None:
+        self.base_ptr, self.stride0, self.shape = base_ptr, stride0, shape
+
+    def data_ptr(self) -> Any:
+        return self.base_ptr
+
+    def stride(self, dim: int) -> Any:
+        return self.stride0
+
+    def element_size(self) -> int:
+        return 1
+
+
+def one_tensor_layout(tensor: Any) -> ptrres.CanonicalKVCaches:
+    return ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 8)], [[ptrres.CanonicalKVCacheRef(0, 8)]]
+    )
+
+
+@pytest.mark.parametrize(
+    ("tensor", "error", "pattern"),
+    [
+        # Was OverflowError (ptrres) or a wrapped pointer (reference).
+        (OddTensor(2**63, 8, (4, 8)), ptrres.LayoutError, "at 0x8000000000000000"),
+        (OddTensor(-8, 8, (4, 8)), ptrres.LayoutError, "between 0 and 2\\*\\*63"),
+        (OddTensor(2**62, 2**61, (4, 8)), ptrres.LayoutError, "4 rows of 8 B"),
+        (OddTensor(4096, 2**64, (1, 8)), ptrres.LayoutError, "2\\*\\*63 - 1"),
+        (OddTensor(4096, 8, (-4, 8)), ptrres.LayoutError, "none may be negative"),
+        # Was int(3.5) == 3 blocks, silently.
+        (OddTensor(4096, 8, (3.5, 8)), ptrres.InputTypeError, r"shape\[0\] must be"),
+        # Were bare TypeErrors ('NoneType' object is not callable, no len()).
+        (OddTensor(4096, 8, None), ptrres.InputTypeError, "reading its shape"),
+        (SimpleNamespace(data_ptr=4096), ptrres.InputTypeError, "must be a torch"),
+    ],
+)
+def test_tensors_with_odd_geometry(resolve, tensor, error, pattern) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=pattern):
+        resolve(ptrres.GPULoadStoreSpec([0]), one_tensor_layout(tensor))
+
+
+def test_tensor_without_storage(resolve) -> None:  # type: ignore[no-untyped-def]
+    """Was RuntimeError (torch: "Cannot access data pointer of Tensor...")."""
+    sparse = torch.zeros(4, 8).to_sparse()
+    with pytest.raises(
+        ptrres.InputTypeError, match=r"tensors\[0\].tensor: reading its shape.*Runtime"
+    ) as info:
+        resolve(ptrres.GPULoadStoreSpec([0]), one_tensor_layout(sparse))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(ptrres.InputTypeError, match=r"offloaded tensors\[0\]: read"):
+        ptrres.OffloadedLayout([sparse], 1)
+
+
+def test_tensor_entry_without_a_tensor(resolve) -> None:  # type: ignore[no-untyped-def]
+    kv = SimpleNamespace(tensors=[SimpleNamespace()], group_data_refs=[[]])
+    with pytest.raises(
+        ptrres.InputTypeError, match=r"kv_caches.tensors\[0\] must have the attrib"
+    ):
+        resolve(ptrres.GPULoadStoreSpec([], [0]), kv)
+
+
+@pytest.mark.parametrize("container", [set, dict.fromkeys, iter])
+def test_group_sizes_in_an_unordered_container(resolve, kv, container) -> None:  # type: ignore[no-untyped-def]
+    """A set or dict of the right length passed the fast path, in any order."""
+    spec = SimpleNamespace(
+        block_ids=[1, 2, 3], group_sizes=container([2, 1]), block_indices=[0, 0]
+    )
+    with pytest.raises(ptrres.InputTypeError, match="group_sizes must be a sequence"):
+        resolve(spec, kv)
+    spec.group_sizes, spec.block_indices = [2, 1], container([0, 5])
+    with pytest.raises(ptrres.InputTypeError, match="block_indices must be a sequence"):
+        resolve(spec, kv)
+
+
+@pytest.mark.parametrize(
+    "out",
+    [3, (np.zeros(5, np.int64),), [np.zeros(5, np.int64)] * 4, None],
+)
+def test_out_that_is_not_one_buffer_per_output(kv, out) -> None:  # type: ignore[no-untyped-def]
+    """Were IndexError (a short tuple) and TypeError (not subscriptable)."""
+    table = ptrres.PointerTable(kv)
+    if out is None:  # a pair where a plan needs three
+        out = (np.zeros(5, np.int64), np.zeros(5, np.int64))
+    else:
+        with pytest.raises(ptrres.InputTypeError, match=r"out must hold 2 buffers"):
+            table.resolve(good_spec(), out=out)
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    with pytest.raises(ptrres.InputTypeError, match=r"out must hold 3 buffers"):
+        table.plan_transfer(good_spec(), offloaded, [0, 1, 2], store=True, out=out)
+    descriptors = [np.zeros(5, np.int64)] * 3
+    with pytest.raises(ptrres.InputTypeError, match=r"out must hold 3 buffers"):
+        ptrres.coalesce(*descriptors, out=out)
+
+
+def test_out_buffers_that_share_memory(kv) -> None:  # type: ignore[no-untyped-def]
+    """ptrs written over sizes (or over the ids being read) gave wrong answers,
+    and an AssertionError when the overwritten ids then looked out of range."""
+    table = ptrres.PointerTable(kv)
+    buffer = np.zeros(10, np.int64)
+    with pytest.raises(ptrres.OutBufferError, match="share memory"):
+        table.resolve(good_spec(), out=(buffer, buffer))
+    with pytest.raises(ptrres.OutBufferError, match="share memory"):
+        table.resolve(good_spec(), out=(buffer[:5], buffer[4:]))
+    ids = np.array([1, 2, 3, 0, 0, 0], np.int64)
+    spec = ptrres.GPULoadStoreSpec(ids[:3], [2, 1], [0, 0])
+    with pytest.raises(ptrres.OutBufferError, match="block_ids share memory"):
+        table.resolve(spec, out=(ids, np.zeros(5, np.int64)))
+    assert ids.tolist() == [1, 2, 3, 0, 0, 0]  # nothing written
+    assert_same_pointers(
+        table.resolve(good_spec(), out=(buffer[:5], buffer[5:])),
+        reference.resolve_device_pointers(good_spec(), kv),
+    )
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    chunk_ids = np.array([0, 1, 2, 0, 0], np.int64)
+    for out in (
+        (buffer[:5], buffer[:5], np.zeros(5, np.int64)),
+        (buffer[:5], buffer[5:], chunk_ids),
+    ):
+        with pytest.raises(ptrres.OutBufferError, match="share memory"):
+            table.plan_transfer(spec, offloaded, chunk_ids[:3], store=True, out=out)
+    src, dst = np.array([0, 8, 16, 0]), np.array([64, 72, 80, 0])
+    sizes = np.full(4, 8)
+    with pytest.raises(ptrres.OutBufferError, match="share memory"):
+        ptrres.coalesce(src, dst, sizes, out=(dst, src, sizes))  # swapped
+    with pytest.raises(ptrres.OutBufferError, match="share memory"):
+        ptrres.coalesce(src[:3], dst[:3], sizes[:3], out=(src[1:], dst, sizes))
+    assert src.tolist() == [0, 8, 16, 0]
+    merged = ptrres.coalesce(src, dst, sizes, out=(src, dst, sizes))  # in place
+    assert merged.src.tolist() == [0, 0]
+    assert merged.sizes.tolist() == [24, 8]
+
+
+def test_reference_with_extreme_numbers() -> None:
+    """The reference wrapped a merged size past 2**64 (and raised OverflowError
+    for a cap over it), and mixed a numpy blocks_per_chunk with huge counts."""
+    half = 2**63
+    src = np.array([0, half], np.uint64)
+    dst = np.array([2**20, 2**20 + half], np.uint64)
+    sizes = np.array([half, half], np.uint64)  # together 2**64: too much for one
+    for cap in (None, 2**64, 2**70):
+        expected = ptrres.coalesce(src, dst, sizes, max_run_bytes=cap)
+        assert expected.sizes.tolist() == [half, half]
+        merged = reference.coalesce(src, dst, sizes, max_run_bytes=cap)
+        assert merged.sizes.tolist() == [half, half]
+    device_ptrs = SimpleNamespace(
+        group_block_counts=[2**62], group_data_ref_counts=[1], block_indices=[2**63 - 1]
+    )
+    bpc = np.int32(4)
+    assert list(reference.iter_pointer_groups(device_ptrs, bpc)) == list(
+        ptrres.iter_pointer_groups(device_ptrs, bpc)
+    )
+
+
+@pytest.mark.parametrize("block_id", [2**62, 2**63 - 1, -(2**63)])
+def test_extreme_block_ids_are_refused_without_overflow(resolve, kv, block_id) -> None:  # type: ignore[no-untyped-def]
+    """Without the JIT, the kernel's pointer for such an id overflowed int64
+    (a RuntimeWarning, an error under this suite) before the id was refused."""
+    spec = ptrres.GPULoadStoreSpec(np.array([1, block_id, 3]), [2, 1], [0, 0])
+    with pytest.raises(ptrres.BlockIdError, match=f"block id {block_id}"):
+        resolve(spec, kv)
+
+
+def test_descriptors_at_the_top_of_the_address_space() -> None:
+    """A run ending past 2**64 - 1 continues nothing; without the JIT, the
+    check itself overflowed uint64 (a RuntimeWarning)."""
+    top = 2**64 - 64
+    src = np.array([top, 0, 2**63], np.uint64)
+    dst = np.array([top, 0, 2**63 + 64], np.uint64)
+    sizes = np.array([64, 64, 64], np.uint64)
+    for merge in (ptrres.coalesce, reference.coalesce):
+        merged = merge(src, dst, sizes)
+        assert merged.sizes.tolist() == [64, 64, 64]
+
+
+def test_group_sizes_that_wrap_around_2_to_the_64(resolve) -> None:  # type: ignore[no-untyped-def]
+    """Sizes summed in uint64 wrapped to the number of ids: the kernel then
+    read ids before the array's start, and failed an assert."""
+    tensor = random_tensor(8, 16, 0, torch.int8, 0)
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 16)],
+        [[], [], [ptrres.CanonicalKVCacheRef(0, 16)]],
+    )
+    big = 2**63 - 1  # big + big + 4 == 2 (mod 2**64)
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2]), [big, big, 4], [0, 0, 0])
+    with pytest.raises(ptrres.SpecError, match="sum to 18446744073709551618 but"):
+        resolve(spec, kv)
+    spec.group_sizes = np.array([big, big, 4])  # the slow path's own sum
+    with pytest.raises(ptrres.SpecError, match="but there are 2 block ids"):
+        resolve(spec, kv)
+
+
+def test_device_pointers_with_a_huge_group_without_refs() -> None:
+    """A group without refs has no pointers to bound its size: one of 2**40
+    blocks made plan_from_device_pointers allocate 8 TiB (MemoryError)."""
+    tensor = random_tensor(8, 16, 0, torch.int8, 0)
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 16)],
+        [[], [ptrres.CanonicalKVCacheRef(0, 16)]],
+    )
+    table = ptrres.PointerTable(kv)
+    offloaded = ptrres.OffloadedLayout([np.zeros((8, 16), np.int8)], 1)
+    device_ptrs = table.resolve(ptrres.GPULoadStoreSpec([1, 5], [0, 2], [0, 0]))
+    device_ptrs.group_block_counts = (2**40, 2)
+    with pytest.raises(ptrres.OffloadedIdError, match=r"span \[1099511627776, 2\]"):
+        table.plan_from_device_pointers(device_ptrs, offloaded, [3, 4], store=True)
+    device_ptrs.group_block_counts = (3, 2)  # fine, with 3 + 2 chunk ids
+    plan = table.plan_from_device_pointers(
+        device_ptrs, offloaded, [0, 1, 2, 3, 4], store=True
+    )
+    assert plan.src.tolist() == [tensor[1].data_ptr(), tensor[5].data_ptr()]
+
+
+def test_offloaded_layout_cannot_be_changed() -> None:
+    """Setting blocks_per_chunk from 2 to 4 kept sub-blocks of half a row: the
+    last sub-blocks of the last chunk lay past the offloaded tensor."""
+    tensor = random_tensor(8, 16, 0, torch.int8, 0)
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 16)],
+        [[ptrres.CanonicalKVCacheRef(0, 8)]],
+    )
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 32), np.int8)], 2)
+    with pytest.raises(AttributeError, match="OffloadedLayout is read-only"):
+        offloaded.blocks_per_chunk = 4  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="read-only"):
+        del offloaded.geometries
+    spec = ptrres.GPULoadStoreSpec([1, 2, 3, 4])
+    plan = ptrres.PointerTable(kv).plan_transfer(spec, offloaded, [3, 2], store=True)
+    base = offloaded.geometries[0].base_ptr
+    assert (plan.dst - base).tolist() == [96, 112, 64, 80]
+
+
+@pytest.mark.parametrize("cap", [2**63, 2**63 + 8, 2**64 - 2])
+def test_caps_of_2_to_the_63_and_more_are_kept(cap) -> None:  # type: ignore[no-untyped-def]
+    """Every cap of 2**63 or more meant no cap at all."""
+    src = np.array([0, 64], np.uint64)
+    dst = np.array([2**20, 2**20 + 64], np.uint64)
+    sizes = np.array([64, cap - 63], np.uint64)  # together one byte over the cap
+    for merge in (ptrres.coalesce, reference.coalesce):
+        assert merge(src, dst, sizes, max_run_bytes=cap).sizes.tolist() == [
+            64,
+            cap - 63,
+        ]
+        assert merge(src, dst, sizes, max_run_bytes=cap + 1).sizes.tolist() == [cap + 1]
+
+
+@pytest.mark.parametrize("index", [2**63, 2**64, 2**100])
+def test_block_index_too_large_for_int64(resolve, kv, index) -> None:  # type: ignore[no-untyped-def]
+    """The fast path took any Python int >= 0 as a block index, which a plan
+    then could not convert (OverflowError); the reference refused it."""
+    spec = ptrres.GPULoadStoreSpec([1, 2, 3], [2, 1], [0, index])
+    with pytest.raises(ptrres.SpecError, match=f"block_indices holds {index}, which"):
+        resolve(spec, kv)
+    device_ptrs = ptrres.resolve_device_pointers(good_spec(), kv)
+    device_ptrs.block_indices = (0, index)
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    with pytest.raises(ptrres.SpecError, match="which is too large"):
+        ptrres.PointerTable(kv).plan_from_device_pointers(
+            device_ptrs, offloaded, [0, 1, 2], store=True
+        )
+
+
+def test_reference_refuses_what_ptrres_refuses(kv) -> None:  # type: ignore[no-untyped-def]
+    """Each bad input, through ptrres and through the reference: the same error."""
+    fields = vars(ptrres.resolve_device_pointers(good_spec(), kv))
+    for changed, pattern in [
+        ({"block_indices": (0,)}, "have 2, 2 and 1 entries|differ in length"),
+        ({"group_block_counts": (2, -1)}, "group 1: "),
+    ]:
+        device_ptrs = SimpleNamespace(**{**fields, **changed})
+        for iterate in (ptrres.iter_pointer_groups, reference.iter_pointer_groups):
+            with pytest.raises(ptrres.SpecError, match=pattern):
+                list(iterate(device_ptrs, 2))
+
+    tensors = [np.zeros((4, 16), np.int8)] * 2
+    table = ptrres.PointerTable(kv)
+    for ids, store, error, pattern in [
+        ([0, 1, 2], 1, ptrres.InputTypeError, "store must be True or False"),
+        ([0, 1], True, ptrres.OffloadedIdError, "there are 2 offloaded ids"),
+        ([0, 4, 2], True, ptrres.OffloadedIdError, "position 1: offloaded id 4"),
+    ]:
+        with pytest.raises(error, match=pattern):
+            table.plan_transfer(
+                good_spec(), ptrres.OffloadedLayout(tensors, 1), ids, store=store
+            )
+        with pytest.raises(error, match=pattern):
+            reference.plan_transfer(good_spec(), kv, tensors, 1, ids, store=store)
+
+    uneven = (np.zeros(3, np.int64), np.zeros(2, np.int64), np.zeros(3, np.int64))
+    for merge in (ptrres.coalesce, reference.coalesce):
+        with pytest.raises(ptrres.SpecError, match=r"3, 2 and 3 entries|differ"):
+            merge(*uneven)
+        with pytest.raises(ptrres.SpecError, match="max_run_bytes must be >= 1"):
+            merge(*[np.zeros(2, np.int64)] * 3, max_run_bytes=0)
+
+
+def test_tensor_rows_that_run_backwards() -> None:
+    backwards = np.zeros((4, 16), np.int8)[::-1]
+    with pytest.raises(ptrres.LayoutError, match=r"negative row stride \(-16 B\)"):
+        ptrres.PointerTable(one_tensor_layout(backwards))
+    with pytest.raises(ptrres.LayoutError, match="negative row stride"):
+        ptrres.OffloadedLayout([backwards], 1)
+
+
+def test_offloaded_rows_that_overlap() -> None:
+    """A device tensor's rows may overlap (pages are read); chunks may not."""
+    overlapping = np.lib.stride_tricks.as_strided(
+        np.zeros(64, np.int8), shape=(4, 16), strides=(8, 1)
+    )
+    with pytest.raises(ptrres.LayoutError, match=r"rows of 16 B overlap \(row st"):
+        ptrres.OffloadedLayout([overlapping], 1)
+
+
+SPEC_FIELDS = {"block_ids": [1, 2, 3], "group_sizes": [2, 1], "block_indices": [0, 0]}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "pattern"),
+    [
+        ("block_ids", [1, [2], 3], ptrres.InputTypeError, "not an integer array"),
+        ("group_sizes", [[2], [1, 0]], ptrres.InputTypeError, "sequence of ints:"),
+        ("group_sizes", [[2], [1]], ptrres.InputTypeError, r"1-D, got shape \(2, 1\)"),
+        ("group_sizes", np.array([2**63, 0], np.uint64), ptrres.SpecError, "too large"),
+    ],
+)
+def test_spec_fields_numpy_reads_oddly(
+    resolve, kv, field, value, error, pattern
+) -> None:  # type: ignore[no-untyped-def]
+    """Ragged, 2-D or too large: each field is named."""
+    spec = SimpleNamespace(**{**SPEC_FIELDS, field: value})
+    with pytest.raises(error, match=pattern):
+        resolve(spec, kv)
+    spec = SimpleNamespace(
+        **{**SPEC_FIELDS, field: np.array(SPEC_FIELDS[field], np.uint8)}
+    )
+    assert len(resolve(spec, kv).ptrs) == 5  # any integer dtype does
+
+
+def test_no_groups_at_all(resolve) -> None:  # type: ignore[no-untyped-def]
+    kv = ptrres.CanonicalKVCaches([], [])
+    spec = SimpleNamespace(
+        block_ids=[], group_sizes=np.array([], int), block_indices=()
+    )
+    assert len(resolve(spec, kv).ptrs) == 0
+    assert repr(ptrres.PointerTable(kv)) == "PointerTable(0 groups, refs per group ())"
+
+
+def test_descriptors_that_are_not_contiguous_and_an_unaligned_out() -> None:
+    strided = np.arange(8, dtype=np.int64)[::2] * 8  # 0, 16, 32, 48: gaps
+    merged = ptrres.coalesce(strided, strided + 1000, np.full(4, 8))
+    assert merged.sizes.tolist() == [8, 8, 8, 8]
+    merged = ptrres.coalesce(strided, strided + 1000, np.full(8, 16)[::2])
+    assert merged.sizes.tolist() == [64]
+    unaligned = np.zeros(33, np.uint8)[1:].view(np.int64)
+    with pytest.raises(ptrres.OutBufferError, match="not aligned to 8 bytes"):
+        ptrres.coalesce(*[np.zeros(4, np.int64)] * 3, out=(unaligned,) * 3)
+    layout = ptrres.OffloadedLayout([np.zeros((2, 8), np.int8)], 2)
+    assert repr(layout) == "OffloadedLayout(1 tensors, blocks_per_chunk=2)"
+
+
+def test_offloaded_entry_that_cannot_say_what_it_holds() -> None:
+    class BrokenProxy:
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(f"broken proxy: {name}")
+
+    with pytest.raises(ptrres.InputTypeError, match=r"offloaded tensors\[0\]: read"):
+        ptrres.OffloadedLayout([BrokenProxy()], 1)
+
+
+def test_inputs_that_take_the_long_way_but_are_fine(kv) -> None:  # type: ignore[no-untyped-def]
+    """long long buffers (int64, but not numpy's int64 dtype object), offloaded
+    tensors given as CanonicalKVCacheTensor, an empty group in a count error."""
+    assert np.dtype(np.longlong) == np.int64
+    out = (np.zeros(5, np.longlong), np.zeros(5, np.longlong))
+    device_ptrs = ptrres.PointerTable(kv).resolve(good_spec(), out=out)
+    assert device_ptrs.ptrs.tolist() == out[0].astype(np.uint64).tolist()
+    tensor = np.zeros((4, 16), np.int8)
+    wrapped = ptrres.OffloadedLayout([ptrres.CanonicalKVCacheTensor(tensor, 16)], 1)
+    assert wrapped.geometries == ptrres.OffloadedLayout([tensor], 1).geometries
+    spec = ptrres.GPULoadStoreSpec([1, 2], [2, 0], [0, 0])
+    with pytest.raises(ptrres.OffloadedIdError, match=r"span \[2, 0\] chunks"):
+        ptrres.PointerTable(kv).plan_transfer(
+            spec, ptrres.OffloadedLayout([tensor] * 2, 1), [0], store=True
+        )

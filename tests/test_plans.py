@@ -596,6 +596,13 @@ def test_bad_plan_arguments(setup, kwargs, error, pattern) -> None:  # type: ign
         ptrres.InputTypeError, match="offloaded must be an OffloadedLayout"
     ):
         table.plan_transfer(spec, [torch.zeros(5, 64)], GOOD_IDS, store=True)
+    # Empty rows split into any number of sub-blocks, but not one past int64.
+    empty_rows = [torch.zeros(5, 0, dtype=torch.int8)]
+    with pytest.raises(
+        ptrres.LayoutError, match="and < 2\\*\\*63, got 18446744073709551616"
+    ):
+        ptrres.OffloadedLayout(empty_rows, 2**64)
+    assert ptrres.OffloadedLayout(empty_rows, 2**63 - 1).blocks_per_chunk == 2**63 - 1
     with pytest.raises(ptrres.LayoutError, match="blocks_per_chunk must be >= 1"):
         ptrres.OffloadedLayout([torch.zeros(5, 64)], 0)
 
@@ -676,3 +683,54 @@ def test_bad_coalesce_input(arrays, error, pattern) -> None:  # type: ignore[no-
             np.ones(1, np.int64),
             max_run_bytes=-4,
         )
+
+
+def test_zero_byte_pages_and_a_run_joining_the_last_ref_under_a_cap() -> None:
+    """Two corners of the fused merge, each against the reference's coalesce.
+
+    Tensors carved from one buffer: tensor 1's first row follows tensor 0's
+    last, on both sides, so ref 1's run of every block continues ref 0's.
+    """
+    device = torch.zeros(2, 8, 32, dtype=torch.int8)
+    host = torch.zeros(2, 1, 8 * 32, dtype=torch.int8)  # one chunk of 8 blocks
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(device[t], 32) for t in range(2)],
+        [[ptrres.CanonicalKVCacheRef(0, 32), ptrres.CanonicalKVCacheRef(1, 32)]],
+    )
+    host_tensors = [host[t] for t in range(2)]
+    spec = ptrres.GPULoadStoreSpec(np.arange(8), [8], [0])
+    table = ptrres.PointerTable(kv)
+    offloaded = ptrres.OffloadedLayout(host_tensors, 8)
+    unmerged = reference.plan_transfer(spec, kv, host_tensors, 8, [0], store=True)
+    for cap, expected_sizes in (
+        (None, [512]),
+        (384, [384, 128]),
+        (100, [96] * 5 + [32]),
+        (16, [32] * 16),  # a page over the cap stays whole
+    ):
+        plan = table.plan_transfer(
+            spec, offloaded, [0], store=True, coalesce=True, max_run_bytes=cap
+        )
+        assert plan.sizes.tolist() == expected_sizes
+        assert_same_plan(
+            plan,
+            reference.coalesce(
+                unmerged.src, unmerged.dst, unmerged.sizes, max_run_bytes=cap
+            ),
+        )
+
+    # Pages of 0 bytes: the same block twice, into the same sub-block (bpc 1).
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(device[0], 32)],
+        [[ptrres.CanonicalKVCacheRef(0, 0)]],
+    )
+    spec = ptrres.GPULoadStoreSpec([3, 3, 4], [3], [0])
+    chunks = torch.zeros(4, 32, dtype=torch.int8)
+    unmerged = reference.plan_transfer(spec, kv, [chunks], 1, [2, 2, 3], store=False)
+    plan = ptrres.PointerTable(kv).plan_transfer(
+        spec, ptrres.OffloadedLayout([chunks], 1), [2, 2, 3], store=False, coalesce=True
+    )
+    assert plan.sizes.tolist() == [0, 0]
+    assert_same_plan(
+        plan, reference.coalesce(unmerged.src, unmerged.dst, unmerged.sizes)
+    )

@@ -6,6 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import warnings
+from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ import torch
 from conftest import JIT_DISABLED, random_tensor
 
 import ptrres
+from ptrres import _config, _warmup
 from ptrres._config import KERNELS
 
 
@@ -118,3 +122,66 @@ def test_compiling_lazily_gives_the_declared_signatures(tmp_path) -> None:  # ty
         cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+class FakeDispatcher:
+    """Stands for a Numba dispatcher whose on-disk cache holds some signatures."""
+
+    __name__ = "fake_kernel"
+
+    def __init__(self, cached: set[str]) -> None:
+        self.cached = cached
+        self.overloads: dict[str, object] = {}
+        self.stats = SimpleNamespace(cache_hits=Counter())
+        self.closed = False
+
+    def compile(self, signature: str) -> None:
+        if signature not in self.overloads:
+            self.overloads[signature] = object()
+            if signature in self.cached:
+                self.stats.cache_hits[signature] += 1
+
+    def disable_compile(self) -> None:
+        self.closed = True
+
+
+def test_warmup_says_what_it_loaded_compiled_or_found_ready(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The report's logic, on a stand-in dispatcher (also without the JIT)."""
+    dispatcher = FakeDispatcher(cached={"int64(int64)"})
+    signatures = ("int64(int64)", "int32(int32)", "int64(int64)")
+    monkeypatch.setattr(_warmup, "KERNELS", [(dispatcher, signatures)])
+    report = ptrres.warmup()
+    assert [k.how for k in report.kernels] == ["loaded", "compiled", "ready"]
+    assert dispatcher.closed
+    assert "3 kernel signatures (1 loaded, 1 compiled, 1 ready)" in str(report)
+    again = ptrres.warmup()
+    assert [k.how for k in again.kernels] == ["ready"] * 3
+    assert again.count("ready") == 3
+
+
+def test_nowhere_to_cache_compiles_uncached_with_one_warning(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """_config._jit() in process, with Numba refusing to cache (see
+    test_install.py for the real thing, in a read-only install)."""
+    options_seen = []
+
+    def njit(**options: object):  # type: ignore[no-untyped-def]
+        options_seen.append(options["cache"])
+        if options["cache"]:
+            raise RuntimeError("cannot cache function 'f': no locator available")
+        return lambda function: function
+
+    monkeypatch.setattr(_config.numba, "njit", njit)
+    monkeypatch.setattr(_config, "cache_refused", None)
+
+    def kernel_function() -> int:
+        return 1
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = [_config._jit(kernel_function) for _ in range(2)]
+    assert compiled == [kernel_function] * 2
+    assert [w.category for w in caught] == [UserWarning]
+    assert "cannot cache compiled kernels" in str(caught[0].message)
+    assert "NUMBA_CACHE_DIR" in str(caught[0].message)
+    assert _config.cache_refused is not None
+    assert options_seen == [True, False, False]  # the second never tries to cache

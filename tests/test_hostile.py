@@ -1,0 +1,844 @@
+"""Hostile input to every public function: the reference's answer or a clear error.
+
+Each example starts from a valid transfer (a layout, offloaded tensors, a spec,
+offloaded ids) and corrupts a few of its parts: wrong types, NaN, huge and
+negative numbers, mismatched lengths, 0-d and 2-d arrays, non-contiguous,
+unaligned, read-only or byte-swapped arrays, None, objects missing attributes,
+out= buffers that are short, aliased or wrong. Then every call must either
+give the reference's answer or raise a PtrresError (a ValueError or TypeError;
+the reference raises one of those two), and nothing may be written outside
+the out= buffers that were passed: every input array and tensor is compared
+with a copy, and out= buffers are views into larger arrays whose other bytes
+are compared too. After each example, a good call still works.
+
+HYPOTHESIS_PROFILE=long runs 100_000 examples per test.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from decimal import Decimal
+from fractions import Fraction
+from types import SimpleNamespace
+from typing import Any
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from conftest import random_tensor
+from hypothesis import given
+from test_plans import PlanCase, plan_cases
+
+import ptrres
+from ptrres import reference
+
+# Failures a hostile call may end in: ptrres' own errors, and for the
+# reference, which reads input with the same helpers, ValueError or TypeError.
+REFERENCE_ERRORS = (ValueError, TypeError)
+
+EXTREME_INTS = [
+    -1,
+    -(2**31),
+    2**31,
+    2**32,
+    -(2**63),
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    2**100,
+    -(2**100),
+]
+
+NOT_INTS = [
+    None,
+    True,
+    False,
+    1.0,
+    2.5,
+    math.nan,
+    math.inf,
+    -math.inf,
+    "3",
+    "",
+    b"3",
+    1j,
+    Decimal(3),
+    Fraction(3, 1),
+    object(),
+    [3],
+    (),
+    {},
+    np.array([3]),
+    np.float64(3.0),
+    np.float32(math.nan),
+    np.bool_(True),
+    np.complex64(1),
+    np.datetime64(3, "s"),
+]
+
+
+def numpy_ints() -> st.SearchStrategy[Any]:
+    """Numpy integer scalars of every width, with their extreme values."""
+    return st.sampled_from(
+        [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.uint64]
+    ).flatmap(
+        lambda dtype: st.integers(
+            int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)
+        ).map(dtype)
+    )
+
+
+def scalars(small: int = 20) -> st.SearchStrategy[Any]:
+    """Mostly plausible integers; sometimes extreme ones, or not integers at all."""
+    return st.one_of(
+        st.integers(-2, small),
+        st.sampled_from(EXTREME_INTS),
+        numpy_ints(),
+        st.sampled_from(NOT_INTS),
+        st.just(np.array(2)),  # a 0-d integer array: operator.index takes it
+    )
+
+
+ARRAY_DTYPES = [
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    ">i4",
+    ">i8",
+    ">u8",
+    "float32",
+    "float64",
+    "bool",
+    "object",
+    "complex128",
+    "U4",
+]
+
+
+def cast(values: list[int], dtype: str) -> np.ndarray:
+    """values as dtype, wrapping or saturating as numpy does, never failing."""
+    as_int = np.array([max(-(2**63), min(v, 2**64 - 1)) for v in values], object)
+    try:
+        return as_int.astype(dtype)
+    except (OverflowError, ValueError, TypeError):
+        wrapped = [v % 2**64 - (2**64 if v % 2**64 >= 2**63 else 0) for v in values]
+        return np.array(wrapped, np.int64).astype(dtype)
+
+
+@st.composite
+def arrays_like(draw: Any, values: list[int]) -> Any:
+    """``values`` as an array of any dtype and memory layout, or not an array.
+
+    Most draws keep the values and change how they are held; some change the
+    values too.
+    """
+    if draw(st.integers(0, 3)) == 0:
+        values = list(values)
+        if values and draw(st.booleans()):
+            values[draw(st.integers(0, len(values) - 1))] = draw(
+                st.one_of(st.integers(-3, 60), st.sampled_from(EXTREME_INTS))
+            )
+        else:
+            values = draw(st.lists(st.integers(-3, 60), max_size=6))
+    holder = draw(
+        st.sampled_from(
+            ["array"] * 6
+            + ["list", "tuple", "torch", "none", "str", "range", "scalar", "dict"]
+        )
+    )
+    if holder == "list":
+        return list(values) + draw(st.sampled_from([[], [], [None], [1.5], ["1"]]))
+    if holder == "tuple":
+        return tuple(values)
+    if holder == "torch":
+        return torch.from_numpy(cast(values, "int64"))
+    if holder == "none":
+        return None
+    if holder == "str":
+        return ",".join(map(str, values))
+    if holder == "range":
+        return range(len(values))
+    if holder == "scalar":
+        return draw(scalars())
+    if holder == "dict":
+        return dict.fromkeys(values, 0)
+    dtype = draw(st.sampled_from(["int32", "int64"] * 4 + ARRAY_DTYPES))
+    array = cast(values, dtype)
+    shape = draw(
+        st.sampled_from(["1-d"] * 6 + ["strided", "reversed", "2-d", "column", "0-d"])
+    )
+    if shape == "strided":
+        array = np.repeat(array, 2)[::2]
+    elif shape == "reversed":
+        array = array[::-1].copy()[::-1]
+    elif shape == "2-d":
+        array = np.stack([array, array])
+    elif shape == "column":
+        array = array.reshape(-1, 1)
+    elif shape == "0-d":
+        array = array[0] if array.size else np.array(0, array.dtype)
+        array = np.asarray(array)
+    flags = draw(st.sampled_from(["plain"] * 6 + ["read-only", "unaligned"]))
+    if flags == "read-only":
+        array.flags.writeable = False
+    elif flags == "unaligned" and array.dtype.itemsize > 1 and array.dtype != object:
+        raw = np.zeros(array.nbytes + 1, np.uint8)[1:]
+        raw[:] = np.frombuffer(np.ascontiguousarray(array).tobytes(), np.uint8)
+        array = raw.view(array.dtype).reshape(array.shape)
+    return array
+
+
+def sequences_like(values: list[int]) -> st.SearchStrategy[Any]:
+    """Group sizes or block indices: plain lists most of the time."""
+    # Sizes whose sum wraps around 2**64 to the right total.
+    wrapping = [2**63 - 1, 2**63 - 1, sum(values) + 2] + [0] * (len(values) - 3)
+    return st.one_of(
+        st.just(wrapping if len(values) >= 3 else values),
+        st.just(list(values)),
+        st.just(tuple(values)),
+        arrays_like(values),
+        st.lists(scalars(), max_size=4),
+        st.builds(
+            lambda vs, i, x: [*vs[:i], x, *vs[i + 1 :]],
+            st.just(list(values)),
+            st.integers(0, max(len(values) - 1, 0)),
+            scalars(),
+        ),
+        st.just(set(values)),
+    )
+
+
+class DuckTensor:
+    """Answers ptrres' tensor calls with whatever it was given (even nonsense)."""
+
+    def __init__(self, base_ptr: Any, stride0: Any, element_size: Any, shape: Any):
+        self._base_ptr = base_ptr
+        self._stride0 = stride0
+        self._element_size = element_size
+        self.shape = shape
+
+    def data_ptr(self) -> Any:
+        return self._base_ptr
+
+    def stride(self, dim: int) -> Any:
+        return self._stride0 if dim == 0 else 1
+
+    def element_size(self) -> Any:
+        return self._element_size
+
+    def __repr__(self) -> str:
+        return (
+            f"DuckTensor({self._base_ptr!r}, {self._stride0!r}, "
+            f"{self._element_size!r}, {self.shape!r})"
+        )
+
+
+class Broken:
+    """An object whose every attribute (but its repr) raises, as a bad proxy might."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"broken: {name}")
+
+    def __repr__(self) -> str:
+        return "Broken()"
+
+
+@st.composite
+def tensors_like(draw: Any, tensor: Any) -> Any:
+    """A tensor that replaces ``tensor``: odd shapes, strides, pointers, types."""
+    kind = draw(
+        st.sampled_from(
+            ["duck"] * 4
+            + ["numpy", "numpy-reversed", "numpy-broadcast", "numpy-3d", "numpy-1d"]
+            + ["numpy-0d", "torch-t", "torch-0d", "none", "list", "sparse", "broken"]
+        )
+    )
+    num_blocks, row = int(tensor.shape[0]), int(tensor.shape[1])
+    if kind == "duck":
+        duck = DuckTensor(
+            draw(st.one_of(st.just(tensor.data_ptr()), scalars(2**20))),
+            draw(st.one_of(st.just(tensor.stride(0)), scalars(64))),
+            draw(st.one_of(st.just(tensor.element_size()), scalars(8))),
+            draw(
+                st.one_of(
+                    st.just((num_blocks, row)),
+                    st.tuples(scalars(), scalars()),
+                    st.lists(scalars(), max_size=3).map(tuple),
+                    st.sampled_from([None, 5, "ab", [3, 4]]),
+                )
+            ),
+        )
+        for method in draw(
+            st.sets(st.sampled_from(["data_ptr", "stride", "element_size", "shape"]))
+        ):
+            setattr(duck, method, draw(st.sampled_from([None, 3, "x"])))
+        return duck
+    array = np.zeros((num_blocks, row), np.int8)
+    if kind == "numpy":
+        return array
+    if kind == "numpy-reversed":
+        return array[::-1]
+    if kind == "numpy-broadcast":
+        return np.broadcast_to(array[:1], array.shape)
+    if kind == "numpy-3d":
+        return np.zeros((num_blocks, 2, max(row // 2, 1)), np.int16)
+    if kind == "numpy-1d":
+        return np.zeros(num_blocks, np.int64)
+    if kind == "numpy-0d":
+        return np.array(3)
+    if kind == "torch-t":
+        return torch.zeros(row, num_blocks, dtype=torch.int8).t()
+    if kind == "torch-0d":
+        return torch.tensor(3)
+    if kind == "none":
+        return None
+    if kind == "list":
+        return array.tolist()
+    if kind == "sparse":
+        return torch.zeros(num_blocks, row).to_sparse()
+    return Broken()
+
+
+class Missing:
+    """Stands for an attribute an object does not have."""
+
+
+MISSING = Missing()
+
+
+def namespace(**fields: Any) -> SimpleNamespace:
+    """An object with these attributes, leaving out those that are MISSING."""
+    return SimpleNamespace(**{k: v for k, v in fields.items() if v is not MISSING})
+
+
+def maybe(draw: Any, value: Any, hostile: st.SearchStrategy[Any]) -> Any:
+    """value, or (one time in six) a hostile replacement, or MISSING."""
+    choice = draw(st.integers(0, 11))
+    if choice == 0:
+        return draw(hostile)
+    if choice == 1:
+        return MISSING
+    return value
+
+
+@st.composite
+def hostile_layouts(draw: Any, kv: ptrres.CanonicalKVCaches) -> Any:
+    """The layout, with some of its tensors, refs and lists corrupted."""
+    if not draw(st.integers(0, 2)):
+        return kv
+    tensors = [
+        namespace(
+            tensor=maybe(draw, entry.tensor, tensors_like(entry.tensor)),
+            page_size_bytes=entry.page_size_bytes,
+        )
+        for entry in kv.tensors
+    ]
+    group_data_refs = [
+        [
+            namespace(
+                tensor_idx=maybe(draw, ref.tensor_idx, scalars(len(kv.tensors))),
+                page_size_bytes=maybe(draw, ref.page_size_bytes, scalars(64)),
+            )
+            for ref in refs
+        ]
+        for refs in kv.group_data_refs
+    ]
+    tensors_field: Any = maybe(draw, tensors, st.sampled_from([None, 3, "ab", ()]))
+    refs_field: Any = maybe(
+        draw,
+        group_data_refs,
+        st.one_of(
+            st.sampled_from([None, 3, "ab", [None], [[None]], [3], [["ab"]]]),
+            st.just(group_data_refs[:-1]),
+            st.just([*group_data_refs, []]),
+        ),
+    )
+    return namespace(tensors=tensors_field, group_data_refs=refs_field)
+
+
+@st.composite
+def hostile_specs(draw: Any, spec: ptrres.GPULoadStoreSpec) -> Any:
+    if not draw(st.integers(0, 2)):
+        return spec
+    return namespace(
+        block_ids=maybe(draw, spec.block_ids, arrays_like(spec.block_ids.tolist())),
+        group_sizes=maybe(
+            draw, list(spec.group_sizes), sequences_like(list(spec.group_sizes))
+        ),
+        block_indices=maybe(
+            draw, list(spec.block_indices), sequences_like(list(spec.block_indices))
+        ),
+    )
+
+
+@dataclass
+class Guarded:
+    """out= buffers as views into larger arrays whose other bytes must not change."""
+
+    out: Any
+    # How each buffer was made (for failure reports).
+    kinds: list[str] = field(default_factory=list)
+    # (parent array, its bytes before the call, view's first byte, view's bytes)
+    parents: list[tuple[np.ndarray, bytes, int, int]] = field(default_factory=list)
+
+    def check(self, n_ops: int | None) -> None:
+        """Only each view's bytes may change (its first n_ops entries, if known)."""
+        for parent, before, start, size in self.parents:
+            after = parent.tobytes()
+            end = start + (size if n_ops is None else min(size, 8 * n_ops))
+            assert after[:start] == before[:start], "written before an out= buffer"
+            assert after[end:] == before[end:], "written past an out= buffer"
+
+
+GUARD = 16  # entries on each side of an out= view
+
+
+@st.composite
+def out_buffers(draw: Any, n_ops: int, count: int) -> Guarded:
+    """None, or ``count`` out= buffers for n_ops ops: good ones, mostly."""
+    if draw(st.integers(0, 2)) == 0:
+        return Guarded(None)
+    guarded = Guarded(None)
+    buffers: list[Any] = []
+    for _ in range(count):
+        kind = draw(
+            st.sampled_from(
+                ["good"] * 8
+                + ["short", "int32", "float64", "big-endian", "2-d", "strided"]
+                + ["read-only", "unaligned", "list", "torch", "none", "same"]
+            )
+        )
+        guarded.kinds.append(kind)
+        length = n_ops + draw(st.integers(0, 3))
+        if kind == "short":
+            length = max(n_ops - 1, 0)
+        if kind == "same" and buffers:
+            buffers.append(buffers[-1])  # aliased with the previous buffer
+            continue
+        if kind == "list":
+            buffers.append([0] * length)
+            continue
+        if kind == "torch":
+            buffers.append(torch.zeros(length, dtype=torch.int64))
+            continue
+        if kind == "none":
+            buffers.append(None)
+            continue
+        dtype = {"int32": np.int32, "float64": np.float64, "big-endian": ">i8"}.get(
+            kind, draw(st.sampled_from([np.int64, np.uint64]))
+        )
+        factor = 2 if kind in ("2-d", "strided") else 1
+        parent = np.full(length * factor + 2 * GUARD + 1, 77, dtype)
+        if kind == "unaligned":
+            raw = parent.view(np.uint8)[1 : 1 + (len(parent) - 1) * parent.itemsize]
+            view = raw.view(dtype)[GUARD : GUARD + length]
+        elif kind == "2-d":
+            view = parent[GUARD : GUARD + 2 * length].reshape(length, 2)
+        elif kind == "strided":
+            view = parent[GUARD : GUARD + 2 * length : 2]
+        else:
+            view = parent[GUARD : GUARD + length]
+        if kind == "read-only":
+            view.flags.writeable = False
+        start = view.__array_interface__["data"][0] - parent.ctypes.data
+        guarded.parents.append((parent, parent.tobytes(), start, view.nbytes))
+        buffers.append(view)
+    container = draw(st.sampled_from(["tuple"] * 6 + ["list", "short", "long", "int"]))
+    guarded.kinds.append(container)
+    if container == "list":
+        guarded.out = buffers
+    elif container == "short":
+        guarded.out = tuple(buffers[:-1])
+    elif container == "long":
+        guarded.out = (*buffers, buffers[0])
+    elif container == "int":
+        guarded.out = 3
+    else:
+        guarded.out = tuple(buffers)
+    return guarded
+
+
+def snapshot(*objects: Any) -> list[tuple[Any, bytes]]:
+    """The bytes of every numpy array or CPU tensor among objects (one level deep)."""
+    found = []
+    for obj in objects:
+        items = obj if isinstance(obj, (list, tuple)) else [obj]
+        for item in items:
+            if isinstance(item, SimpleNamespace):
+                item = vars(item).get("tensor")
+            if isinstance(item, np.ndarray) and item.dtype != object:
+                found.append((item, item.tobytes()))
+            elif isinstance(item, torch.Tensor) and item.layout == torch.strided:
+                found.append((item, tensor_bytes(item)))
+    return found
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    if tensor.numel() == 0:
+        return b""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_unchanged(snapshots: list[tuple[Any, bytes]]) -> None:
+    for item, before in snapshots:
+        if isinstance(item, np.ndarray):
+            assert item.tobytes() == before, "an input array was written to"
+        else:
+            assert tensor_bytes(item) == before, "an input tensor was written to"
+
+
+@dataclass
+class Outcome:
+    """What a call returned, or the error it raised."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+def call(function: Any, *args: Any, **kwargs: Any) -> Outcome:
+    """Call, keeping the result or the error; errors other than ours fail."""
+    try:
+        return Outcome(value=function(*args, **kwargs))
+    except ptrres.PtrresError as exc:
+        error = exc
+    assert isinstance(error, (ValueError, TypeError))
+    return Outcome(error=error)
+
+
+def call_reference(function: Any, *args: Any, **kwargs: Any) -> Outcome:
+    try:
+        return Outcome(value=function(*args, **kwargs))
+    except REFERENCE_ERRORS as exc:
+        return Outcome(error=exc)
+
+
+def arrays_of(result: Any) -> tuple[Any, ...]:
+    if isinstance(result, ptrres.DevicePointers):
+        return (
+            result.ptrs.tolist(),
+            result.sizes.tolist(),
+            tuple(result.group_block_counts),
+            tuple(result.group_data_ref_counts),
+            tuple(result.block_indices),
+        )
+    if isinstance(result, ptrres.TransferPlan):
+        return (
+            result.src.tolist(),
+            result.dst.tolist(),
+            result.sizes.tolist(),
+            result.num_bytes,
+        )
+    return tuple(result)
+
+
+def assert_same(actual: Outcome, expected: Outcome, *, may_fail: bool = False) -> None:
+    """Both failed, or both gave the same answer (or, if may_fail, actual failed)."""
+    if expected.error is not None:
+        assert actual.error is not None, (
+            f"ptrres returned {actual.value!r} where the reference raised "
+            f"{expected.error!r}"
+        )
+        return
+    if actual.error is not None:
+        assert may_fail, (
+            f"ptrres raised {actual.error!r} where the reference returned "
+            f"{expected.value!r}"
+        )
+        return
+    assert arrays_of(actual.value) == arrays_of(expected.value), (
+        f"ptrres returned {actual.value!r}, the reference {expected.value!r}"
+    )
+
+
+# A layout and spec that must keep working after every hostile call.
+GOOD_KV = ptrres.CanonicalKVCaches(
+    [ptrres.CanonicalKVCacheTensor(random_tensor(8, 16, 0, torch.int8, 0), 16)],
+    [[ptrres.CanonicalKVCacheRef(0, 16)]],
+)
+GOOD_TABLE = ptrres.PointerTable(GOOD_KV)
+GOOD_SPEC = ptrres.GPULoadStoreSpec([1, 7, 2])
+GOOD_PTRS = reference.resolve_device_pointers(GOOD_SPEC, GOOD_KV).ptrs.tolist()
+
+
+def assert_still_working() -> None:
+    assert GOOD_TABLE.resolve(GOOD_SPEC).ptrs.tolist() == GOOD_PTRS
+    assert ptrres.resolve_device_pointers(GOOD_SPEC, GOOD_KV).ptrs.tolist() == (
+        GOOD_PTRS
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def closed_kernels() -> None:
+    """Kernels closed to new signatures: an unconverted dtype fails loudly."""
+    ptrres.warmup()
+
+
+@given(plan_cases(), st.data())
+def test_hostile_resolve(case: PlanCase, data: st.DataObject) -> None:
+    kv = data.draw(hostile_layouts(case.kv_caches), "kv_caches")
+    spec = data.draw(hostile_specs(case.spec), "spec")
+    guarded = data.draw(out_buffers(case.num_ops, 2), "out")
+    inputs = snapshot(spec.block_ids if hasattr(spec, "block_ids") else None)
+    inputs += snapshot(getattr(kv, "tensors", None))
+
+    expected = call_reference(reference.resolve_device_pointers, spec, kv)
+    table = call(ptrres.PointerTable, kv)
+    if table.error is None:
+        assert_same(call(table.value.resolve, spec), expected)
+        with_out = call(table.value.resolve, spec, out=guarded.out)
+        assert_same(with_out, expected, may_fail=guarded.out is not None)
+        n_ops = None if expected.error else len(expected.value.ptrs)
+        guarded.check(n_ops)
+    else:
+        assert expected.error is not None
+    assert_same(call(ptrres.resolve_device_pointers, spec, kv), expected)
+    assert_unchanged(inputs)
+    assert_still_working()
+
+
+@st.composite
+def hostile_device_pointers(draw: Any, device_ptrs: ptrres.DevicePointers) -> Any:
+    fields = {
+        "ptrs": device_ptrs.ptrs,
+        "sizes": device_ptrs.sizes,
+        "group_block_counts": device_ptrs.group_block_counts,
+        "group_data_ref_counts": device_ptrs.group_data_ref_counts,
+        "block_indices": device_ptrs.block_indices,
+    }
+    if not draw(st.integers(0, 2)):
+        return device_ptrs
+    hostile: dict[str, Any] = {}
+    for name, value in fields.items():
+        if isinstance(value, np.ndarray):
+            values = [int(v) for v in value.tolist()]
+            if values and draw(st.integers(0, 3)) == 0:
+                k = draw(st.integers(0, len(values) - 1))
+                values[k] = (values[k] + draw(st.sampled_from([1, 8, -8, 2**63]))) % (
+                    2**64
+                )
+            hostile[name] = maybe(
+                draw,
+                np.array(values, np.uint64),
+                arrays_like(values),
+            )
+        else:
+            hostile[name] = maybe(draw, value, sequences_like(list(value)))
+    return namespace(**hostile)
+
+
+@given(plan_cases(), st.data())
+def test_hostile_iter_pointer_groups(case: PlanCase, data: st.DataObject) -> None:
+    device_ptrs = reference.resolve_device_pointers(case.spec, case.kv_caches)
+    hostile = data.draw(hostile_device_pointers(device_ptrs), "device_ptrs")
+    bpc = data.draw(st.one_of(st.integers(1, 9), scalars(9)), "blocks_per_chunk")
+    expected = call_reference(lambda: list(reference.iter_pointer_groups(hostile, bpc)))
+    actual = call(lambda: list(ptrres.iter_pointer_groups(hostile, bpc)))
+    assert_same(actual, expected)
+    assert_still_working()
+
+
+@st.composite
+def hostile_offloaded(draw: Any, case: PlanCase) -> tuple[Any, Any]:
+    """Offloaded tensors and blocks_per_chunk, perhaps corrupted."""
+    tensors: Any = [
+        maybe(draw, tensor, tensors_like(tensor)) for tensor in case.offloaded_tensors
+    ]
+    tensors = [t for t in tensors if t is not MISSING]
+    tensors = maybe(
+        draw,
+        tensors,
+        st.sampled_from([None, 3, "ab", [None], tensors[:-1], [*tensors, None]]),
+    )
+    if tensors is MISSING:
+        tensors = []
+    bpc = maybe(draw, case.blocks_per_chunk, scalars(9))
+    return tensors, (1 if bpc is MISSING else bpc)
+
+
+def expected_plan(
+    spec: Any,
+    kv: Any,
+    tensors: Any,
+    bpc: Any,
+    ids: Any,
+    store: Any,
+    merge: Any,
+    max_run_bytes: Any,
+) -> Outcome:
+    """The reference's plan, coalesced the same way when asked to."""
+
+    def plan() -> ptrres.TransferPlan:
+        result = reference.plan_transfer(spec, kv, tensors, bpc, ids, store=store)
+        empty = np.zeros(0, np.uint64)
+        # ptrres checks max_run_bytes whether or not it merges.
+        reference.coalesce(empty, empty, empty, max_run_bytes=max_run_bytes)
+        if merge is True:
+            return reference.coalesce(
+                result.src, result.dst, result.sizes, max_run_bytes=max_run_bytes
+            )
+        if merge is not False:
+            raise TypeError("coalesce is not a bool")
+        return result
+
+    return call_reference(plan)
+
+
+@given(plan_cases(), st.data())
+def test_hostile_plan_transfer(case: PlanCase, data: st.DataObject) -> None:
+    kv = data.draw(hostile_layouts(case.kv_caches), "kv_caches")
+    spec = data.draw(hostile_specs(case.spec), "spec")
+    tensors, bpc = data.draw(hostile_offloaded(case), "offloaded")
+    ids = data.draw(
+        st.one_of(
+            st.just(case.offloaded_ids), arrays_like(case.offloaded_ids.tolist())
+        ),
+        "offloaded_ids",
+    )
+    store = data.draw(st.one_of(st.booleans(), st.sampled_from([0, 1, None])), "store")
+    merge = data.draw(st.one_of(st.booleans(), st.sampled_from([1, "yes"])), "merge")
+    max_run_bytes = data.draw(
+        st.one_of(st.none(), st.integers(1, 200), scalars(200)), "max_run_bytes"
+    )
+    guarded = data.draw(out_buffers(case.num_ops, 3), "out")
+    inputs = snapshot(spec.block_ids if hasattr(spec, "block_ids") else None, ids)
+    inputs += snapshot(getattr(kv, "tensors", None), tensors)
+
+    expected = expected_plan(spec, kv, tensors, bpc, ids, store, merge, max_run_bytes)
+    table = call(ptrres.PointerTable, kv)
+    offloaded = call(ptrres.OffloadedLayout, tensors, bpc)
+    if table.error is not None or offloaded.error is not None:
+        assert expected.error is not None
+    else:
+        kwargs = {"store": store, "coalesce": merge, "max_run_bytes": max_run_bytes}
+        plan = table.value.plan_transfer
+        assert_same(call(plan, spec, offloaded.value, ids, **kwargs), expected)
+        with_out = call(plan, spec, offloaded.value, ids, out=guarded.out, **kwargs)
+        assert_same(with_out, expected, may_fail=guarded.out is not None)
+        # Unmerged, the plan has one op per resolved pointer: no more is written.
+        resolved = call_reference(reference.resolve_device_pointers, spec, kv)
+        guarded.check(None if expected.error else len(resolved.value.ptrs))
+    assert_unchanged(inputs)
+    assert_still_working()
+
+
+def block_ids_behind(device_ptrs: Any, kv: ptrres.CanonicalKVCaches) -> list[int]:
+    """The block ids behind valid device pointers (0 for groups without refs)."""
+    ids: list[int] = []
+    op = 0
+    for n, refs in zip(device_ptrs.group_block_counts, kv.group_data_refs):
+        if refs:
+            tensor = kv.tensors[refs[0].tensor_idx].tensor
+            stride = tensor.stride(0) * tensor.element_size()
+            ids += [
+                (int(p) - tensor.data_ptr()) // stride
+                for p in device_ptrs.ptrs[op : op + n]
+            ]
+        else:
+            ids += [0] * n
+        op += n * len(refs)
+    return ids
+
+
+@given(plan_cases(), st.data())
+def test_hostile_plan_from_device_pointers(case: PlanCase, data: st.DataObject) -> None:
+    device_ptrs = reference.resolve_device_pointers(case.spec, case.kv_caches)
+    hostile = data.draw(hostile_device_pointers(device_ptrs), "device_ptrs")
+    store = data.draw(st.booleans(), "store")
+    merge = data.draw(st.booleans(), "merge")
+    table = ptrres.PointerTable(case.kv_caches)
+    inputs = snapshot(
+        *(getattr(hostile, name, None) for name in ("ptrs", "sizes")),
+        case.offloaded_ids,
+    )
+    actual = call(
+        table.plan_from_device_pointers,
+        hostile,
+        case.offloaded,
+        case.offloaded_ids,
+        store=store,
+        coalesce=merge,
+    )
+    if actual.error is None:
+        # The pointers were those of some valid spec: the plan is its plan.
+        spec = ptrres.GPULoadStoreSpec(
+            np.array(block_ids_behind(hostile, case.kv_caches), np.int64),
+            list(hostile.group_block_counts),
+            list(hostile.block_indices),
+        )
+        expected = expected_plan(
+            spec, case.kv_caches, case.offloaded_tensors,
+            case.blocks_per_chunk, case.offloaded_ids, store, merge, None,
+        )  # fmt: skip
+        assert_same(actual, expected)
+        assert_same(
+            call(reference.resolve_device_pointers, spec, case.kv_caches),
+            Outcome(
+                value=ptrres.DevicePointers(
+                    np.asarray(hostile.ptrs).astype(np.uint64),
+                    np.asarray(hostile.sizes).astype(np.uint64),
+                    tuple(hostile.group_block_counts),
+                    tuple(hostile.group_data_ref_counts),
+                    tuple(hostile.block_indices),
+                )
+            ),
+        )
+    assert_unchanged(inputs)
+    assert_still_working()
+
+
+@st.composite
+def hostile_descriptors(draw: Any) -> tuple[Any, Any, Any]:
+    n = draw(st.integers(0, 8))
+    start = draw(st.sampled_from([0, 2**20, 2**63 - 64, 2**64 - 256]))
+    sizes = draw(
+        st.lists(
+            st.sampled_from([0, 1, 8, 64, 2**62, 2**63, 2**64 - 1]),
+            min_size=n,
+            max_size=n,
+        )
+    )
+    src, dst = [], []
+    s, d = start, draw(st.sampled_from([0, 2**30, 2**64 - 128]))
+    for size in sizes:
+        src.append(s % 2**64)
+        dst.append(d % 2**64)
+        s += size + draw(st.sampled_from([0, 0, 8]))
+        d += size + draw(st.sampled_from([0, 0, -8]))
+    dtype = draw(st.sampled_from([np.uint64, np.int64]))
+    arrays = [cast(values, dtype) for values in (src, dst, sizes)]
+    which = draw(st.sets(st.integers(0, 2), max_size=2))
+    result = [
+        draw(arrays_like(array.tolist())) if k in which else array
+        for k, array in enumerate(arrays)
+    ]
+    return result[0], result[1], result[2]
+
+
+@given(hostile_descriptors(), st.data())
+def test_hostile_coalesce(descriptors: Any, data: st.DataObject) -> None:
+    max_run_bytes = data.draw(
+        st.one_of(st.none(), st.integers(1, 200), scalars(200)), "max_run_bytes"
+    )
+    n = len(descriptors[2]) if np.ndim(descriptors[2]) == 1 else 0
+    guarded = data.draw(out_buffers(n, 3), "out")
+    inputs = snapshot(*descriptors)
+    expected = call_reference(
+        reference.coalesce, *descriptors, max_run_bytes=max_run_bytes
+    )
+    actual = call(ptrres.coalesce, *descriptors, max_run_bytes=max_run_bytes)
+    assert_same(actual, expected)
+    with_out = call(
+        ptrres.coalesce, *descriptors, max_run_bytes=max_run_bytes, out=guarded.out
+    )
+    assert_same(with_out, expected, may_fail=guarded.out is not None)
+    guarded.check(None)
+    assert_unchanged(inputs)
+    assert_still_working()

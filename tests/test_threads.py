@@ -1,0 +1,161 @@
+"""One PointerTable shared by threads gives every thread the reference's answers.
+
+The kernels run without the GIL (JIT_OPTIONS["nogil"]), so calls of different
+threads really overlap; the table's one piece of state, the offloaded layout
+it last planned with, is replaced by whichever thread planned last.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import JIT_DISABLED, random_tensor
+
+import ptrres
+from ptrres import reference
+from ptrres._config import KERNELS
+
+N_THREADS = 8
+CALLS_PER_THREAD = 40 if JIT_DISABLED else 1500
+
+
+@pytest.mark.skipif(JIT_DISABLED, reason="no compiled kernels without the JIT")
+def test_every_kernel_releases_the_gil() -> None:
+    assert all(dispatcher.targetoptions["nogil"] for dispatcher, _ in KERNELS)
+
+
+@pytest.fixture
+def fast_switching() -> Iterator[None]:
+    """Switch threads as often as CPython allows, to make races likely."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(interval)
+
+
+def build_calls() -> list[tuple[Callable[..., Any], Any]]:
+    """(call, expected) pairs over one table; expected is an array tuple or an error.
+
+    Each call takes the thread's out= buffers (or None) and returns arrays.
+    """
+    tensors = [random_tensor(40, 16, t % 2, torch.int8, t) for t in range(3)]
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(t, t.stride(0)) for t in tensors],
+        [
+            [ptrres.CanonicalKVCacheRef(0, 16), ptrres.CanonicalKVCacheRef(1, 16)],
+            [ptrres.CanonicalKVCacheRef(2, 8)],
+        ],
+    )
+    table = ptrres.PointerTable(kv)
+    offloaded = {
+        bpc: [torch.zeros(64, bpc * 16 + pad, dtype=torch.int8) for _ in range(3)]
+        for bpc, pad in ((1, 0), (2, 0), (4, 8))
+    }
+    layouts = {bpc: ptrres.OffloadedLayout(t, bpc) for bpc, t in offloaded.items()}
+    rng = np.random.default_rng(0)
+    calls: list[tuple[Callable[..., Any], Any]] = []
+    for _ in range(12):
+        sizes = [int(rng.integers(0, 30)), int(rng.integers(0, 30))]
+        start = int(rng.integers(0, 10))
+        ids = np.concatenate(
+            [start + np.arange(sizes[0]), rng.integers(0, 40, sizes[1])]
+        ).astype(rng.choice([np.int32, np.int64]))
+        spec = ptrres.GPULoadStoreSpec(ids, sizes, [int(rng.integers(0, 9)), 3])
+        expected = reference.resolve_device_pointers(spec, kv)
+        calls.append(
+            (
+                lambda out, spec=spec: astuple(table.resolve(spec, out=pair(out)), 2),
+                (expected.ptrs, expected.sizes),
+            )
+        )
+        for bpc, layout in layouts.items():
+            n_chunks = sum(
+                -(-(n + i % bpc) // bpc) if n else 0
+                for n, i in zip(spec.group_sizes, spec.block_indices)
+            )
+            chunk_ids = rng.permutation(64)[:n_chunks]
+            for store in (True, False):
+                plan = reference.plan_transfer(
+                    spec, kv, offloaded[bpc], bpc, chunk_ids, store=store
+                )
+                merged = reference.coalesce(plan.src, plan.dst, plan.sizes)
+
+                def run_plan(
+                    out: Any, merge: bool, spec: Any = spec, layout: Any = layout,
+                    chunk_ids: Any = chunk_ids, store: bool = store,
+                ) -> tuple[np.ndarray, ...]:  # fmt: skip
+                    result = table.plan_transfer(
+                        spec, layout, chunk_ids, store=store, coalesce=merge, out=out
+                    )
+                    return astuple(result, 3)
+
+                calls.append(
+                    (
+                        lambda out, run_plan=run_plan: run_plan(out, False),
+                        (plan.src, plan.dst, plan.sizes),
+                    )
+                )
+                calls.append(
+                    (
+                        lambda out, run_plan=run_plan: run_plan(out, True),
+                        (merged.src, merged.dst, merged.sizes),
+                    )
+                )
+    # A call that fails in the kernel: it must not disturb the other threads.
+    bad = ptrres.GPULoadStoreSpec([3, 40], [1, 1], [0, 0])
+    calls.append((lambda out: table.resolve(bad, out=pair(out)), ptrres.BlockIdError))
+    return calls
+
+
+def pair(out: Any) -> Any:
+    """The (ptrs, sizes) buffers of resolve() among a thread's three."""
+    return None if out is None else out[:2]
+
+
+def astuple(result: Any, n: int) -> tuple[np.ndarray, ...]:
+    fields = ("ptrs", "sizes") if n == 2 else ("src", "dst", "sizes")
+    return tuple(getattr(result, name).copy() for name in fields)
+
+
+@pytest.mark.usefixtures("fast_switching")
+def test_threads_sharing_a_table_get_the_reference_answers() -> None:
+    calls = build_calls()
+    barrier = threading.Barrier(N_THREADS)
+    failures: list[str] = []
+    done = [0] * N_THREADS
+
+    def worker(thread: int) -> None:
+        rng = random.Random(thread)
+        out = tuple(np.zeros(4 * 30 * 3, np.int64) for _ in range(3))
+        barrier.wait()
+        for _ in range(CALLS_PER_THREAD):
+            index = rng.randrange(len(calls))
+            call, expected = calls[index]
+            buffers = out if rng.random() < 0.5 else None
+            try:
+                if isinstance(expected, type):
+                    with pytest.raises(expected):
+                        call(buffers)
+                else:
+                    actual = call(buffers)
+                    assert len(actual) == len(expected)
+                    for a, e in zip(actual, expected):
+                        np.testing.assert_array_equal(a, e)
+            except BaseException as exc:  # collected, reported by the main thread
+                failures.append(f"thread {thread}, call {index}: {exc!r}")
+            done[thread] += 1
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(N_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert done == [CALLS_PER_THREAD] * N_THREADS
