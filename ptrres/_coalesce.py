@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _kernels
 from ._errors import SpecError
-from ._layout import descriptor_array, out_count_error, out_view, overlap_error
+from ._layout import SRC_DST_SIZES, descriptor_array, out_arrays, overlap_error
 from ._table import max_run_arg
 from ._types import TransferPlan
 
@@ -48,16 +48,7 @@ def coalesce(
             f"src, dst and sizes have {len(src_in)}, {len(dst_in)} and {n} entries"
         )
     max_run = max_run_arg(max_run_bytes)
-    if out is None:
-        out_src, out_dst, out_sizes = (np.empty(n, np.uint64) for _ in range(3))
-    else:
-        try:
-            src_out, dst_out, sizes_out = out
-        except (TypeError, ValueError):
-            raise out_count_error(out, ("src", "dst", "sizes")) from None
-        out_src = out_view(src_out, n, "out[0] (src)")
-        out_dst = out_view(dst_out, n, "out[1] (dst)")
-        out_sizes = out_view(sizes_out, n, "out[2] (sizes)")
+    out_src, out_dst, out_sizes = out_arrays(out, n, SRC_DST_SIZES)
     num_bytes = int(sizes_in.sum(dtype=np.uint64))
     written = _kernels.coalesce_kernel(
         src_in, dst_in, sizes_in, max_run, out_src, out_dst, out_sizes

@@ -50,9 +50,13 @@ def kernel(*signatures: str) -> Callable[[F], F]:
 
 
 def inline_helper(function: F) -> F:
-    """Compile a function called only from kernels (compiled into its callers)."""
-    # Inlined in Numba's IR: LLVM does not inline across Numba functions, and
-    # a call in an inner loop costs more than the work it does.
+    """Compile a function called only from kernels.
+
+    It is compiled for the types its callers pass and linked into them, so it
+    needs no signatures of its own and warmup() does not list it. (Numba's
+    IR-level ``inline="always"`` was tried: it made no difference to the
+    kernels' speed and added compile time.)
+    """
     return _jit(function)
 
 

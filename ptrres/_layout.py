@@ -355,16 +355,7 @@ def as_group_sizes(
     group_sizes: Any, n_groups: int, n_block_ids: int
 ) -> npt.NDArray[np.int64]:
     """Check a spec's group sizes against the layout and the ids; return int64."""
-    sizes = _as_int_array(group_sizes, "group_sizes")
-    if len(sizes) != n_groups:
-        raise SpecError(
-            f"group_sizes has {len(sizes)} entries but the KV caches have "
-            f"{n_groups} groups"
-        )
-    negative = np.flatnonzero(sizes < 0)
-    if len(negative):
-        group = int(negative[0])
-        raise SpecError(f"group {group}: group size {int(sizes[group])} is negative")
+    sizes = _per_group(group_sizes, "group_sizes", "group size", n_groups)
     total = sum(sizes.tolist())  # exact: a numpy sum wraps around 2**64
     if total != n_block_ids:
         raise SpecError(
@@ -375,17 +366,24 @@ def as_group_sizes(
 
 def as_block_indices(block_indices: Any, n_groups: int) -> tuple[int, ...]:
     """Check a spec's block indices (one per group, each >= 0); return ints."""
-    indices = _as_int_array(block_indices, "block_indices")
-    if len(indices) != n_groups:
+    indices = _per_group(block_indices, "block_indices", "block index", n_groups)
+    return tuple(indices.tolist())
+
+
+def _per_group(
+    values: Any, what: str, entry: str, n_groups: int
+) -> npt.NDArray[np.int64]:
+    """One int >= 0 per group, as int64; ``entry`` names one in errors."""
+    array = _as_int_array(values, what)
+    if len(array) != n_groups:
         raise SpecError(
-            f"block_indices has {len(indices)} entries but the KV caches have "
-            f"{n_groups} groups"
+            f"{what} has {len(array)} entries but the KV caches have {n_groups} groups"
         )
-    negative = np.flatnonzero(indices < 0)
+    negative = np.flatnonzero(array < 0)
     if len(negative):
         group = int(negative[0])
-        raise SpecError(f"group {group}: block index {int(indices[group])} is negative")
-    return tuple(int(i) for i in indices)
+        raise SpecError(f"group {group}: {entry} {int(array[group])} is negative")
+    return array
 
 
 def _as_int_array(values: Any, what: str) -> npt.NDArray[np.int64]:
@@ -438,11 +436,29 @@ def descriptor_array(values: Any, what: str) -> npt.NDArray[np.uint64]:
     return view
 
 
-def out_count_error(out: Any, names: tuple[str, ...]) -> InputTypeError:
-    """The error for an ``out=`` that is not one buffer per output."""
+# What the out= buffers of each call are, in order (for out_arrays).
+PTRS_SIZES = ("out[0] (ptrs)", "out[1] (sizes)")
+SRC_DST_SIZES = ("out[0] (src)", "out[1] (dst)", "out[2] (sizes)")
+
+
+def out_arrays(
+    out: Any, n_ops: int, buffers: tuple[str, ...]
+) -> list[npt.NDArray[np.uint64]]:
+    """The output arrays of a call: new ones, or uint64 views of out= buffers.
+
+    Args:
+        out: None, or one buffer per entry of ``buffers`` (see out_view), in a
+            tuple or list, or as the rows of a 2-D array.
+        n_ops: entries each output needs.
+        buffers: the names of the buffers, PTRS_SIZES or SRC_DST_SIZES.
+    """
+    if out is None:
+        return [np.empty(n_ops, np.uint64) for _ in buffers]
+    if isinstance(out, (tuple, list, np.ndarray)) and len(out) == len(buffers):
+        return [out_view(buffer, n_ops, what) for buffer, what in zip(out, buffers)]
     count = f"{len(out)} items" if hasattr(out, "__len__") else "not a sequence"
-    return InputTypeError(
-        f"out must hold {len(names)} buffers ({', '.join(names)}): got a "
+    raise InputTypeError(
+        f"out must hold {len(buffers)} buffers ({', '.join(buffers)}): got a "
         f"{type(out).__name__}, {count}"
     )
 

@@ -18,7 +18,9 @@ from ._errors import (
 from ._layout import (
     DEVICE_POINTERS_FIELDS,
     ID_DTYPES,
+    PTRS_SIZES,
     SPEC_FIELDS,
+    SRC_DST_SIZES,
     RefRow,
     as_block_ids,
     as_block_indices,
@@ -30,8 +32,7 @@ from ._layout import (
     missing_attributes,
     num_chunks,
     offloaded_rows,
-    out_count_error,
-    out_view,
+    out_arrays,
     overlap_error,
     read_layout,
 )
@@ -121,16 +122,7 @@ class PointerTable:
             raw_sizes, raw_indices, len(block_ids)
         )
         group_size_array = np.array(group_sizes, dtype=np.int64)
-        if out is None:
-            ptrs = np.empty(n_ops, np.uint64)
-            sizes = np.empty(n_ops, np.uint64)
-        else:
-            try:
-                ptrs_out, sizes_out = out
-            except (TypeError, ValueError):
-                raise out_count_error(out, ("ptrs", "sizes")) from None
-            ptrs = out_view(ptrs_out, n_ops, "out[0] (ptrs)")
-            sizes = out_view(sizes_out, n_ops, "out[1] (sizes)")
+        ptrs, sizes = out_arrays(out, n_ops, PTRS_SIZES)
         status = _kernels.resolve_kernel(
             self.ref_table,
             self.group_ref_start,
@@ -335,18 +327,7 @@ class PointerTable:
         chunk_ids = _block_ids(offloaded_ids, "offloaded_ids")
         if chunk_ids.dtype is not _INT64:
             chunk_ids = chunk_ids.astype(np.int64)
-        if out is None:
-            src = np.empty(n_ops, np.uint64)
-            dst = np.empty(n_ops, np.uint64)
-            sizes = np.empty(n_ops, np.uint64)
-        else:
-            try:
-                src_out, dst_out, sizes_out = out
-            except (TypeError, ValueError):
-                raise out_count_error(out, ("src", "dst", "sizes")) from None
-            src = out_view(src_out, n_ops, "out[0] (src)")
-            dst = out_view(dst_out, n_ops, "out[1] (dst)")
-            sizes = out_view(sizes_out, n_ops, "out[2] (sizes)")
+        src, dst, sizes = out_arrays(out, n_ops, SRC_DST_SIZES)
         written = _kernels.plan_kernel(
             self.ref_table,
             self.group_ref_start,

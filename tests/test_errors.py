@@ -754,3 +754,14 @@ def test_inputs_that_take_the_long_way_but_are_fine(kv) -> None:  # type: ignore
         ptrres.PointerTable(kv).plan_transfer(
             spec, ptrres.OffloadedLayout([tensor] * 2, 1), [0], store=True
         )
+
+
+def test_out_may_be_the_rows_of_one_2d_buffer(kv) -> None:  # type: ignore[no-untyped-def]
+    """One pinned (2, n) tensor's numpy view serves as ptrs and sizes."""
+    pinned = torch.zeros(2, 8, dtype=torch.int64)
+    device_ptrs = ptrres.PointerTable(kv).resolve(good_spec(), out=pinned.numpy())
+    assert_same_pointers(
+        device_ptrs, reference.resolve_device_pointers(good_spec(), kv)
+    )
+    assert pinned[0, :5].tolist() == device_ptrs.ptrs.tolist()
+    assert pinned[1, :5].tolist() == device_ptrs.sizes.tolist()
