@@ -454,8 +454,18 @@ def out_arrays(
     """
     if out is None:
         return [np.empty(n_ops, np.uint64) for _ in buffers]
-    if isinstance(out, (tuple, list, np.ndarray)) and len(out) == len(buffers):
-        return [out_view(buffer, n_ops, what) for buffer, what in zip(out, buffers)]
+    if (type(out) is tuple or isinstance(out, (list, np.ndarray))) and len(out) == len(
+        buffers
+    ):
+        # Written out for the two or three buffers there are: a comprehension
+        # costs a third of a microsecond more, on every call.
+        views = [
+            out_view(out[0], n_ops, buffers[0]),
+            out_view(out[1], n_ops, buffers[1]),
+        ]
+        if len(buffers) == 3:
+            views.append(out_view(out[2], n_ops, buffers[2]))
+        return views
     count = f"{len(out)} items" if hasattr(out, "__len__") else "not a sequence"
     raise InputTypeError(
         f"out must hold {len(buffers)} buffers ({', '.join(buffers)}): got a "
@@ -483,10 +493,12 @@ def out_view(buffer: Any, n_ops: int, what: str) -> npt.NDArray[np.uint64]:
         and len(buffer) >= n_ops
         and buffer.flags.carray  # contiguous, aligned and writable
     ):
-        if buffer.dtype is UINT64:
-            return buffer if len(buffer) == n_ops else buffer[:n_ops]
-        if buffer.dtype is INT64:
-            return buffer[:n_ops].view(np.uint64)
+        view: npt.NDArray[Any] = buffer if len(buffer) == n_ops else buffer[:n_ops]
+        if view.dtype is UINT64:
+            return view
+        if view.dtype is INT64:
+            as_uint64: npt.NDArray[np.uint64] = view.view(UINT64)  # 40 ns less
+            return as_uint64  # than view(np.uint64), which looks the dtype up
     return _checked_out_view(buffer, n_ops, what)
 
 
