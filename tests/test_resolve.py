@@ -173,3 +173,20 @@ def test_empty_transfer_and_groups_without_refs() -> None:
     device_ptrs = ptrres.resolve_device_pointers(spec, kv_caches)
     assert device_ptrs.ptrs.tolist() == [tensor.data_ptr() + 8]
     assert [i.group_idx for i in ptrres.iter_pointer_groups(device_ptrs, 2)] == [0, 1]
+
+
+def test_group_size_arrays_are_memoised_and_bounded() -> None:
+    """A table keeps the arrays of recent group sizes, at most 256 of them."""
+    tensor = random_tensor(600, 8, 0, torch.int8, 0)
+    kv_caches = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(tensor, 8)], [[ptrres.CanonicalKVCacheRef(0, 8)]]
+    )
+    table = ptrres.PointerTable(kv_caches)
+    for n in range(1, 300):
+        spec = ptrres.GPULoadStoreSpec(np.arange(n))
+        device_ptrs = table.resolve(spec)
+        assert device_ptrs.ptrs.tolist() == [tensor[b].data_ptr() for b in range(n)]
+        assert len(table._group_arrays) <= 256
+    again = table._group_arrays[((299,),)]
+    table.resolve(ptrres.GPULoadStoreSpec(np.arange(299)))
+    assert table._group_arrays[((299,),)] is again
