@@ -248,10 +248,8 @@ def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometr
     attribute (a CanonicalKVCacheTensor).
     """
     bpc = as_int(blocks_per_chunk, "blocks_per_chunk")
-    if bpc < 1:
-        raise LayoutError(f"blocks_per_chunk must be >= 1, got {bpc}")
-    if bpc > ADDRESS_LIMIT:  # the plan kernel takes it as an int64
-        raise LayoutError(f"blocks_per_chunk {bpc} is larger than 2**63 - 1")
+    if not 1 <= bpc < 2**63:  # the kernels take an int64
+        raise LayoutError(f"blocks_per_chunk must be >= 1 and < 2**63, got {bpc}")
     geometries = []
     for t, entry in enumerate(as_list(tensors, "offloaded tensors")):
         geometry = tensor_geometry(_unwrapped(entry), t, "offloaded tensors[{}]")

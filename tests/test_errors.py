@@ -760,9 +760,9 @@ def test_blocks_per_chunk_past_int64(kv) -> None:  # type: ignore[no-untyped-def
     """With no offloaded rows to divide, any blocks_per_chunk passed, and the
     plan kernel could not take 2**63 (OverflowError); found by the long run."""
     for bpc in (2**63, 2**64):
-        with pytest.raises(ptrres.LayoutError, match="larger than 2\\*\\*63 - 1"):
+        with pytest.raises(ptrres.LayoutError, match=r"< 2\*\*63, got"):
             ptrres.OffloadedLayout([], bpc)
-        with pytest.raises(ptrres.LayoutError, match="larger than 2\\*\\*63 - 1"):
+        with pytest.raises(ptrres.LayoutError, match=r"< 2\*\*63, got"):
             reference.plan_transfer(good_spec(), kv, [], bpc, [], store=True)
 
 
