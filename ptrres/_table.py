@@ -240,14 +240,19 @@ class PointerTable:
         raw_ptrs, raw_sizes, raw_counts, raw_ref_counts, raw_indices = attributes(
             device_ptrs, DEVICE_POINTERS_FIELDS, "device_ptrs"
         )
-        ref_counts = tuple(as_list(raw_ref_counts, "group_data_ref_counts"))
+        ref_counts = tuple(
+            as_int(n, "group_data_ref_counts[{}]", g)
+            for g, n in enumerate(as_list(raw_ref_counts, "group_data_ref_counts"))
+        )
         if ref_counts != self.group_data_ref_counts:
             raise SpecError(
                 f"device_ptrs has refs per group {ref_counts}, but this table has "
                 f"{self.group_data_ref_counts}"
             )
         group_sizes_in = tuple(as_list(raw_counts, "group_block_counts"))
-        n_block_ids = sum(as_int(n, "group_block_counts") for n in group_sizes_in)
+        n_block_ids = sum(
+            as_int(n, "group_block_counts[{}]", g) for g, n in enumerate(group_sizes_in)
+        )
         n_ops, num_bytes, group_sizes, block_indices = self._check_groups(
             group_sizes_in, tuple(as_list(raw_indices, "block_indices")), n_block_ids
         )

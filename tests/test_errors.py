@@ -765,3 +765,27 @@ def test_out_may_be_the_rows_of_one_2d_buffer(kv) -> None:  # type: ignore[no-un
     )
     assert pinned[0, :5].tolist() == device_ptrs.ptrs.tolist()
     assert pinned[1, :5].tolist() == device_ptrs.sizes.tolist()
+
+
+def test_blocks_per_chunk_past_int64(kv) -> None:  # type: ignore[no-untyped-def]
+    """With no offloaded rows to divide, any blocks_per_chunk passed, and the
+    plan kernel could not take 2**63 (OverflowError); found by the long run."""
+    for bpc in (2**63, 2**64):
+        with pytest.raises(ptrres.LayoutError, match=r"< 2\*\*63, got"):
+            ptrres.OffloadedLayout([], bpc)
+        with pytest.raises(ptrres.LayoutError, match=r"< 2\*\*63, got"):
+            reference.plan_transfer(good_spec(), kv, [], bpc, [], store=True)
+
+
+def test_device_pointer_counts_that_are_arrays(kv) -> None:  # type: ignore[no-untyped-def]
+    """Refs per group given as a 2-D array compared elementwise with the table's
+    ints: numpy's 'truth value of an array is ambiguous' ValueError."""
+    device_ptrs = ptrres.resolve_device_pointers(good_spec(), kv)
+    offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
+    table = ptrres.PointerTable(kv)
+    for name in ("group_data_ref_counts", "group_block_counts"):
+        fields = {**vars(device_ptrs), name: np.zeros((2, 0), np.int32)}
+        with pytest.raises(ptrres.InputTypeError, match=rf"{name}\[0\] must be an int"):
+            table.plan_from_device_pointers(
+                SimpleNamespace(**fields), offloaded, [0, 1, 2], store=True
+            )
