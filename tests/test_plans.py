@@ -453,6 +453,26 @@ def test_worked_example_store_and_load() -> None:
     )
 
 
+@pytest.mark.parametrize("bpc", [np.int32(2), np.int64(2), np.uint64(2)])
+def test_blocks_per_chunk_as_a_numpy_integer(bpc: Any) -> None:
+    """int64 ids // a numpy uint64 is float64 in numpy: neither side may trip."""
+    device = random_tensor(10, 16, 0, torch.int8, 0)
+    host = torch.zeros(4, 32, dtype=torch.int8)
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(device, 16)],
+        [[ptrres.CanonicalKVCacheRef(0, 12)]],
+    )
+    spec = ptrres.GPULoadStoreSpec(np.array([7, 2, 5]), [3], [3])
+    expected = reference.plan_transfer(spec, kv, [host], 2, [3, 0], store=True)
+    plan = ptrres.PointerTable(kv).plan_transfer(
+        spec, ptrres.OffloadedLayout([host], bpc), [3, 0], store=True
+    )
+    assert_same_plan(plan, expected)
+    assert_same_plan(
+        reference.plan_transfer(spec, kv, [host], bpc, [3, 0], store=True), expected
+    )
+
+
 # Bad input -----------------------------------------------------------------
 
 
