@@ -733,7 +733,8 @@ def block_ids_behind(device_ptrs: Any, kv: ptrres.CanonicalKVCaches) -> list[int
     """The block ids behind valid device pointers (0 for groups without refs)."""
     ids: list[int] = []
     op = 0
-    for n, refs in zip(device_ptrs.group_block_counts, kv.group_data_refs):
+    for count, refs in zip(device_ptrs.group_block_counts, kv.group_data_refs):
+        n = int(count)  # counts may be 0-d arrays: [0] * array(2) broadcasts
         if refs:
             tensor = kv.tensors[refs[0].tensor_idx].tensor
             stride = tensor.stride(0) * tensor.element_size()
