@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import (
+    BlockIdError,
     InputTypeError,
     LayoutError,
     OutBufferError,
@@ -58,6 +59,19 @@ class RefRow(NamedTuple):
     page_size_bytes: int
     num_blocks: int
     tensor_idx: int
+
+
+def block_id_error(
+    group: int, position: int, value: int, d: int, ref: RefRow
+) -> BlockIdError:
+    """The error for block id ``value``, outside the tensor of ref ``d``."""
+    return BlockIdError(
+        f"group {group}, position {position}: block id {value} is out of range "
+        f"for ref {d}, whose tensor {ref.tensor_idx} has {ref.num_blocks} blocks",
+        group=group,
+        position=position,
+        value=value,
+    )
 
 
 def as_int(value: Any, what: str, *what_args: object) -> int:

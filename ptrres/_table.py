@@ -28,6 +28,7 @@ from ._layout import (
     as_int,
     as_list,
     attributes,
+    block_id_error,
     descriptor_array,
     missing_attributes,
     num_chunks,
@@ -139,7 +140,9 @@ class PointerTable:
                 raise overlap_error("out[0] (ptrs), out[1] (sizes) and block_ids")
             ptrs[:] = 0
             sizes[:] = 0
-            raise self._block_id_error(block_ids, group_sizes)
+            error = self._block_id_error(block_ids, group_sizes)
+            assert error is not None, "the kernel reported an id that is in range"
+            raise error
         # Positional: keywords would cost a fifth of a microsecond.
         return DevicePointers(
             ptrs, sizes, group_sizes, self.group_data_ref_counts, block_indices
@@ -439,23 +442,17 @@ class PointerTable:
 
     def _block_id_error(
         self, block_ids: npt.NDArray[Any], group_sizes: tuple[int, ...]
-    ) -> BlockIdError:
-        """The error for the first out-of-range block id, in op order."""
+    ) -> BlockIdError | None:
+        """The error for the first out-of-range block id in op order, if any."""
         bad = _first_out_of_range(
             block_ids,
             group_sizes,
             [[ref.num_blocks for ref in group] for group in self._groups],
         )
-        assert bad is not None, "the kernel reported an id that is in range"
+        if bad is None:
+            return None
         group, d, position, value = bad
-        ref = self._groups[group][d]
-        return BlockIdError(
-            f"group {group}, position {position}: block id {value} is out of range "
-            f"for ref {d}, whose tensor {ref.tensor_idx} has {ref.num_blocks} blocks",
-            group=group,
-            position=position,
-            value=value,
-        )
+        return block_id_error(group, position, value, d, self._groups[group][d])
 
     def _plan_error(
         self,
@@ -466,9 +463,9 @@ class PointerTable:
         offloaded: OffloadedLayout,
     ) -> BlockIdError | OffloadedIdError:
         """The error of a failed plan, checked in the reference's order."""
-        limits = [[ref.num_blocks for ref in group] for group in self._groups]
-        if _first_out_of_range(block_ids, group_sizes, limits) is not None:
-            return self._block_id_error(block_ids, group_sizes)
+        id_error = self._block_id_error(block_ids, group_sizes)
+        if id_error is not None:
+            return id_error
         count_error = _chunk_count_error(
             chunk_ids, group_sizes, block_indices, offloaded.blocks_per_chunk
         )

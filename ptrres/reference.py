@@ -27,6 +27,7 @@ from ._layout import (
     as_int,
     as_list,
     attributes,
+    block_id_error,
     descriptor_array,
     offloaded_rows,
     read_layout,
@@ -84,14 +85,7 @@ def _block_id_error(
 ) -> BlockIdError:
     """The error for the first of a group's ids outside its ref's tensor."""
     position = int(np.flatnonzero((group_ids < 0) | (group_ids >= ref.num_blocks))[0])
-    value = int(group_ids[position])
-    return BlockIdError(
-        f"group {group}, position {position}: block id {value} is out of range "
-        f"for ref {d}, whose tensor {ref.tensor_idx} has {ref.num_blocks} blocks",
-        group=group,
-        position=position,
-        value=value,
-    )
+    return block_id_error(group, position, int(group_ids[position]), d, ref)
 
 
 def iter_pointer_groups(
