@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._errors import SpecError
-from ._layout import GROUP_FIELDS, as_int, as_list, attributes
+from ._layout import GROUP_FIELDS, as_int, as_list, attributes, num_chunks
 from ._table import PointerTable
 from ._types import DevicePointerGroupInfo, DevicePointers
 
@@ -145,13 +145,12 @@ def _pointer_groups(
             )
         if group_size == 0:
             continue
-        skip = block_index % blocks_per_chunk
         yield DevicePointerGroupInfo(
             group_idx=group_idx,
             group_size=group_size,
             n_data_refs=n_data_refs,
-            skip=skip,
-            n_chunks=-(-(group_size + skip) // blocks_per_chunk),
+            skip=block_index % blocks_per_chunk,
+            n_chunks=num_chunks(group_size, block_index, blocks_per_chunk),
             dev_ptr_offset=dev_ptr_offset,
         )
         dev_ptr_offset += group_size * n_data_refs
