@@ -140,9 +140,9 @@ class PointerTable:
                 raise overlap_error("out[0] (ptrs), out[1] (sizes) and block_ids")
             ptrs[:] = 0
             sizes[:] = 0
-            error = self._block_id_error(block_ids, group_sizes)
-            assert error is not None, "the kernel reported an id that is in range"
-            raise error
+            bad = self._bad_block_id(block_ids, group_sizes)
+            assert bad is not None, "the kernel reported an id that is in range"
+            raise self._block_id_error(bad)
         # Positional: keywords would cost a fifth of a microsecond.
         return DevicePointers(
             ptrs, sizes, group_sizes, self.group_data_ref_counts, block_indices
@@ -440,17 +440,18 @@ class PointerTable:
         num_bytes = sum(n * b for n, b in zip(sizes, self.group_page_bytes))
         return n_ops, num_bytes, sizes, indices
 
-    def _block_id_error(
+    def _bad_block_id(
         self, block_ids: npt.NDArray[Any], group_sizes: tuple[int, ...]
-    ) -> BlockIdError | None:
-        """The error for the first out-of-range block id in op order, if any."""
-        bad = _first_out_of_range(
+    ) -> tuple[int, int, int, int] | None:
+        """The first out-of-range (group, ref, position, block id), in op order."""
+        return _first_out_of_range(
             block_ids,
             group_sizes,
             [[ref.num_blocks for ref in group] for group in self._groups],
         )
-        if bad is None:
-            return None
+
+    def _block_id_error(self, bad: tuple[int, int, int, int]) -> BlockIdError:
+        """The error for the block id that _bad_block_id found."""
         group, d, position, value = bad
         return block_id_error(group, position, value, d, self._groups[group][d])
 
@@ -463,9 +464,9 @@ class PointerTable:
         offloaded: OffloadedLayout,
     ) -> BlockIdError | OffloadedIdError:
         """The error of a failed plan, checked in the reference's order."""
-        id_error = self._block_id_error(block_ids, group_sizes)
-        if id_error is not None:
-            return id_error
+        bad = self._bad_block_id(block_ids, group_sizes)
+        if bad is not None:
+            return self._block_id_error(bad)
         count_error = _chunk_count_error(
             chunk_ids, group_sizes, block_indices, offloaded.blocks_per_chunk
         )
