@@ -22,8 +22,7 @@ from .common import (
     ROW_STRIDE,
     ZERO,
     UIntArray,
-    overlap,
-    span,
+    overlaps,
 )
 
 # A descriptor or a run of them: (src or device ptr, dst or offloaded ptr, size).
@@ -74,7 +73,23 @@ def coalesce_kernel(
     Returns:
         The number of descriptors written, or OVERLAPPING_BUFFERS.
     """
-    if sizes.size and _overlapping(src, dst, sizes, out_src, out_dst, out_sizes):
+    # No output may share a byte with another output or another input, and
+    # one that overlaps its own input must be it (in place). All six arrays
+    # are empty or none is.
+    if sizes.size and (
+        overlaps(out_src, out_dst)
+        | overlaps(out_src, out_sizes)
+        | overlaps(out_dst, out_sizes)
+        | overlaps(out_src, dst)
+        | overlaps(out_src, sizes)
+        | overlaps(out_dst, src)
+        | overlaps(out_dst, sizes)
+        | overlaps(out_sizes, src)
+        | overlaps(out_sizes, dst)
+        | overlaps(out_src, src) & (out_src.ctypes.data != src.ctypes.data)
+        | overlaps(out_dst, dst) & (out_dst.ctypes.data != dst.ctypes.data)
+        | overlaps(out_sizes, sizes) & (out_sizes.ctypes.data != sizes.ctypes.data)
+    ):
         return OVERLAPPING_BUFFERS
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
     written = ZERO
@@ -92,35 +107,6 @@ def coalesce_kernel(
             out_sizes[written] = descriptor[2]
             written += ONE
     return np.int64(written)
-
-
-@inline_helper
-def _overlapping(
-    src: UIntArray,
-    dst: UIntArray,
-    sizes: UIntArray,
-    out_src: UIntArray,
-    out_dst: UIntArray,
-    out_sizes: UIntArray,
-) -> bool:
-    """Whether an output shares a byte with another output or another input,
-    or overlaps its own input without being it (in place)."""
-    s, d, z = span(src), span(dst), span(sizes)
-    os, od, oz = span(out_src), span(out_dst), span(out_sizes)
-    return bool(
-        overlap(os, od)
-        | overlap(os, oz)
-        | overlap(od, oz)
-        | overlap(os, d)
-        | overlap(os, z)
-        | overlap(od, s)
-        | overlap(od, z)
-        | overlap(oz, s)
-        | overlap(oz, d)
-        | overlap(os, s) & (os[0] != s[0])
-        | overlap(od, d) & (od[0] != d[0])
-        | overlap(oz, z) & (oz[0] != z[0])
-    )
 
 
 @inline_helper

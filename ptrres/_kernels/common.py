@@ -51,33 +51,26 @@ ONE = np.uint64(1)
 
 IntArray = npt.NDArray[Any]
 UIntArray = npt.NDArray[np.uint64]
-# A (start, end) byte range of an array's memory, as uint64.
-Span = tuple[np.uint64, np.uint64]
 
 # The signature of a ref table and its group_ref_start, for @kernel.
 TABLE = "int64[:, ::1], int64[::1]"
 
 
 @inline_helper
-def span(array: IntArray) -> Span:
-    """The bytes an array's elements occupy: (first, one past the last)."""
-    start = np.uint64(array.ctypes.data)
-    return start, start + np.uint64(array.nbytes)
-
-
-@inline_helper
-def overlap(a: Span, b: Span) -> bool:
-    """Whether two spans share a byte; an empty span shares none.
+def overlaps(a: IntArray, b: IntArray) -> bool:
+    """Whether two arrays share a byte of memory; an empty one shares none.
 
     The one overlap check of every kernel: they test every pair of an output
     with another output or an input before writing anything. `&`, not `and`:
     one branch on the result.
     """
-    return bool((a[0] < a[1]) & (b[0] < b[1]) & (a[0] < b[1]) & (b[0] < a[1]))
+    a0, b0 = np.uint64(a.ctypes.data), np.uint64(b.ctypes.data)
+    a1, b1 = a0 + np.uint64(a.nbytes), b0 + np.uint64(b.nbytes)
+    return bool((a0 < a1) & (b0 < b1) & (a0 < b1) & (b0 < a1))
 
 
 @inline_helper
-def chunk_slot(k: np.uint64, skip: np.uint64, blocks_per_chunk: np.uint64) -> Span:
+def chunk_slot(k: np.uint64, skip: np.uint64, blocks_per_chunk: np.uint64) -> Any:
     """Chunk (counted from the group's first) and sub-block of a group's block k.
 
     The group starts at sub-block ``skip = block_index % blocks_per_chunk`` of
@@ -86,13 +79,6 @@ def chunk_slot(k: np.uint64, skip: np.uint64, blocks_per_chunk: np.uint64) -> Sp
     """
     position = skip + k
     return position // blocks_per_chunk, position % blocks_per_chunk
-
-
-@inline_helper
-def group_chunks(n_blocks: np.uint64, skip: np.uint64, bpc: np.uint64) -> Any:
-    """Offloaded chunks a group of n_blocks >= 1 blocks spans: its last block's
-    chunk, plus one."""
-    return chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE
 
 
 @inline_helper
@@ -107,28 +93,3 @@ def id_range(ids: IntArray) -> tuple[int, int]:
         lowest = min(lowest, block_id)
         highest = max(highest, block_id)
     return lowest, highest
-
-
-@inline_helper
-def rows_of(tables: Any, ref: Any) -> Any:
-    """Row ``ref`` of the ref table and of the offloaded refs, as tuples.
-
-    Tuples of their columns (index them with BASE_PTR..., OFF_BASE_PTR...):
-    plain values, where array views of the rows would cost a reference count
-    each, per ref of every call.
-    """
-    ref_table, offloaded_refs = tables
-    ref_row = (
-        ref_table[ref, BASE_PTR],
-        ref_table[ref, ROW_STRIDE],
-        ref_table[ref, PAGE_SIZE],
-        ref_table[ref, NUM_BLOCKS],
-        ref_table[ref, TENSOR_IDX],
-    )
-    off_row = (
-        offloaded_refs[ref, OFF_BASE_PTR],
-        offloaded_refs[ref, OFF_ROW_STRIDE],
-        offloaded_refs[ref, OFF_SUB_BYTES],
-        offloaded_refs[ref, OFF_NUM_CHUNKS],
-    )
-    return ref_row, off_row

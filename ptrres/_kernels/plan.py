@@ -30,11 +30,9 @@ from .common import (
     ZERO,
     IntArray,
     UIntArray,
-    group_chunks,
+    chunk_slot,
     id_range,
-    overlap,
-    rows_of,
-    span,
+    overlaps,
 )
 
 
@@ -82,7 +80,18 @@ def plan_kernel(
         The number of descriptors written, BAD_OFFLOADED_ID (also for a wrong
         number of offloaded ids), BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
-    if _overlapping(block_ids, offloaded_ids, src, dst, sizes):
+    # No output may share a byte with another or with the ids.
+    if (
+        overlaps(src, dst)
+        | overlaps(src, sizes)
+        | overlaps(dst, sizes)
+        | overlaps(src, block_ids)
+        | overlaps(dst, block_ids)
+        | overlaps(sizes, block_ids)
+        | overlaps(src, offloaded_ids)
+        | overlaps(dst, offloaded_ids)
+        | overlaps(sizes, offloaded_ids)
+    ):
         return OVERLAPPING_BUFFERS
     bpc = np.uint64(blocks_per_chunk)
     tables = (ref_table, offloaded_refs)
@@ -105,7 +114,7 @@ def plan_kernel(
         ids = block_ids[first_id : first_id + n_blocks]
         first_id += n_blocks
         skip = np.uint64(block_indices[group]) % bpc
-        n_chunks = group_chunks(n_blocks, skip, bpc)
+        n_chunks = chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE  # last's, + 1
         chunks = offloaded_ids[first_chunk : first_chunk + n_chunks]
         first_chunk += n_chunks
         blocks = (ids, chunk_of, sub_block_of)  # not sliced: views cost
@@ -114,34 +123,8 @@ def plan_kernel(
         if merge:
             written = fill_merged(out, written, tables, refs, blocks, run_starts, cap)
         else:
-            for ref in range(refs[0], refs[1]):
-                rows = rows_of(tables, ref)
-                written = fill_blocks(out, written, blocks, rows, ZERO)
+            written = fill_blocks(out, written, tables, refs, blocks, ZERO)
     return np.int64(written)
-
-
-@inline_helper
-def _overlapping(
-    block_ids: IntArray,
-    offloaded_ids: IntArray,
-    src: UIntArray,
-    dst: UIntArray,
-    sizes: UIntArray,
-) -> bool:
-    """Whether an output shares a byte with another output or with the ids."""
-    s, d, z = span(src), span(dst), span(sizes)
-    b, c = span(block_ids), span(offloaded_ids)
-    return bool(
-        overlap(s, d)
-        | overlap(s, z)
-        | overlap(d, z)
-        | overlap(s, b)
-        | overlap(d, b)
-        | overlap(z, b)
-        | overlap(s, c)
-        | overlap(d, c)
-        | overlap(z, c)
-    )
 
 
 @inline_helper
@@ -172,7 +155,7 @@ def check_ids(
         if n_blocks == ZERO:
             continue
         skip = np.uint64(block_indices[group]) % bpc
-        n_chunks = group_chunks(n_blocks, skip, bpc)
+        n_chunks = chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE  # last's, + 1
         if first_chunk + n_chunks > n_offloaded_ids:
             return BAD_OFFLOADED_ID
         lowest_id, highest_id = id_range(block_ids[first_id : first_id + n_blocks])
@@ -218,35 +201,46 @@ def map_chunks(chunks: IntArray, skip: np.uint64, bpc: np.uint64, blocks: Any) -
 
 @inline_helper
 def fill_blocks(
-    out: Any, written: np.uint64, blocks: Any, rows: Any, first_k: np.uint64
+    out: Any,
+    written: np.uint64,
+    tables: Any,
+    refs: Any,
+    blocks: Any,
+    first_k: np.uint64,
 ) -> Any:
-    """Append one descriptor per block of a group from block first_k on, for
-    one ref: branch-free, so that the loop vectorises.
+    """Append one descriptor per block of a group, from block first_k on, for
+    each of the refs: branch-free, so that the loop vectorises.
 
     Args:
-        out, written, blocks, rows: as coalesce.append_runs.
+        tables, refs: as fill_merged.
+        out, written, blocks: as coalesce.append_runs.
 
     Returns:
         The new number of descriptors.
     """
+    ref_table, offloaded_refs = tables
     dev_out, off_out, sizes = out
     ids, chunk_of, sub_block_of = blocks
-    ref_row, off_row = rows
-    # Locals, read once: the outputs might alias the rows as far as the
-    # compiler knows, and loads in the loop would keep it from vectorising.
-    base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
-    page_size = ref_row[PAGE_SIZE]
-    off_base_ptr, off_row_stride = off_row[OFF_BASE_PTR], off_row[OFF_ROW_STRIDE]
-    sub_bytes = off_row[OFF_SUB_BYTES]
     n_blocks = np.uint64(ids.shape[0])
-    for k in range(first_k, n_blocks):
-        op = written + k - first_k
-        dev_out[op] = base_ptr + np.int64(ids[k]) * row_stride
-        off_out[op] = (
-            off_base_ptr + chunk_of[k] * off_row_stride + (sub_block_of[k] * sub_bytes)
-        )
-        sizes[op] = page_size
-    return written + n_blocks - first_k
+    for ref in range(refs[0], refs[1]):
+        ref_row, off_row = ref_table[ref], offloaded_refs[ref]
+        # Locals, read once: the outputs might alias the tables as far as the
+        # compiler knows, and loads in the loop would keep it from vectorising.
+        base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
+        page_size = ref_row[PAGE_SIZE]
+        off_base_ptr, off_row_stride = off_row[OFF_BASE_PTR], off_row[OFF_ROW_STRIDE]
+        sub_bytes = off_row[OFF_SUB_BYTES]
+        for k in range(first_k, n_blocks):
+            op = written + k - first_k
+            dev_out[op] = base_ptr + np.int64(ids[k]) * row_stride
+            off_out[op] = (
+                off_base_ptr
+                + chunk_of[k] * off_row_stride
+                + sub_block_of[k] * sub_bytes
+            )
+            sizes[op] = page_size
+        written += n_blocks - first_k
+    return written
 
 
 @inline_helper
@@ -271,13 +265,14 @@ def fill_merged(
     Returns:
         The new number of descriptors.
     """
+    ref_table, offloaded_refs = tables
     dev_out, off_out, sizes = out
     # Refs of one group usually share their geometry, and with it their runs:
     # find them once per group and geometry.
     runs_of = (-1, -1, -1, -1)
     n_runs = ZERO
     for ref in range(refs[0], refs[1]):
-        rows = rows_of(tables, ref)
+        rows = (ref_table[ref], offloaded_refs[ref])
         geometry = (
             rows[0][ROW_STRIDE],
             rows[0][PAGE_SIZE],
@@ -302,5 +297,5 @@ def fill_merged(
             if continues(run, (dev_ptr, off_ptr, page), cap):
                 sizes[last] += page
                 first_k = ONE
-        written = fill_blocks(out, written, blocks, rows, first_k)
+        written = fill_blocks(out, written, tables, (ref, ref + 1), blocks, first_k)
     return written

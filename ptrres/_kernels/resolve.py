@@ -16,8 +16,7 @@ from .common import (
     ZERO,
     IntArray,
     UIntArray,
-    overlap,
-    span,
+    overlaps,
 )
 
 _IDS = ("int32[::1]", "int64[::1]")
@@ -48,8 +47,7 @@ def resolve_kernel(
         The number of ops written, BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
     # No output may share a byte with the other or with the ids.
-    p, s, i = span(ptrs), span(sizes), span(block_ids)
-    if overlap(p, s) | overlap(p, i) | overlap(s, i):
+    if overlaps(ptrs, sizes) | overlaps(ptrs, block_ids) | overlaps(sizes, block_ids):
         return OVERLAPPING_BUFFERS
     op = ZERO
     first_id = ZERO
