@@ -93,3 +93,28 @@ def id_range(ids: IntArray) -> tuple[int, int]:
         lowest = min(lowest, block_id)
         highest = max(highest, block_id)
     return lowest, highest
+
+
+@inline_helper
+def rows_of(tables: Any, ref: Any) -> Any:
+    """Row ``ref`` of the ref table and of the offloaded refs, as tuples.
+
+    Tuples of their columns (index them with BASE_PTR..., OFF_BASE_PTR...):
+    plain values, where array views of the rows would cost reference counting
+    for each ref of every call (several microseconds per merged plan).
+    """
+    ref_table, offloaded_refs = tables
+    ref_row = (
+        ref_table[ref, BASE_PTR],
+        ref_table[ref, ROW_STRIDE],
+        ref_table[ref, PAGE_SIZE],
+        ref_table[ref, NUM_BLOCKS],
+        ref_table[ref, TENSOR_IDX],
+    )
+    off_row = (
+        offloaded_refs[ref, OFF_BASE_PTR],
+        offloaded_refs[ref, OFF_ROW_STRIDE],
+        offloaded_refs[ref, OFF_SUB_BYTES],
+        offloaded_refs[ref, OFF_NUM_CHUNKS],
+    )
+    return ref_row, off_row

@@ -33,6 +33,7 @@ from .common import (
     chunk_slot,
     id_range,
     overlaps,
+    rows_of,
 )
 
 
@@ -123,7 +124,9 @@ def plan_kernel(
         if merge:
             written = fill_merged(out, written, tables, refs, blocks, run_starts, cap)
         else:
-            written = fill_blocks(out, written, tables, refs, blocks, ZERO)
+            for ref in range(refs[0], refs[1]):
+                rows = rows_of(tables, ref)
+                written = fill_blocks(out, written, blocks, rows, ZERO)
     return np.int64(written)
 
 
@@ -201,46 +204,35 @@ def map_chunks(chunks: IntArray, skip: np.uint64, bpc: np.uint64, blocks: Any) -
 
 @inline_helper
 def fill_blocks(
-    out: Any,
-    written: np.uint64,
-    tables: Any,
-    refs: Any,
-    blocks: Any,
-    first_k: np.uint64,
+    out: Any, written: np.uint64, blocks: Any, rows: Any, first_k: np.uint64
 ) -> Any:
     """Append one descriptor per block of a group, from block first_k on, for
-    each of the refs: branch-free, so that the loop vectorises.
+    one ref: branch-free, so that the loop vectorises.
 
     Args:
-        tables, refs: as fill_merged.
-        out, written, blocks: as coalesce.append_runs.
+        out, written, blocks, rows: as coalesce.append_runs.
 
     Returns:
         The new number of descriptors.
     """
-    ref_table, offloaded_refs = tables
     dev_out, off_out, sizes = out
     ids, chunk_of, sub_block_of = blocks
+    ref_row, off_row = rows
+    # Locals, read once: the outputs might alias the rows as far as the
+    # compiler knows, and loads in the loop would keep it from vectorising.
+    base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
+    page_size = ref_row[PAGE_SIZE]
+    off_base_ptr, off_row_stride = off_row[OFF_BASE_PTR], off_row[OFF_ROW_STRIDE]
+    sub_bytes = off_row[OFF_SUB_BYTES]
     n_blocks = np.uint64(ids.shape[0])
-    for ref in range(refs[0], refs[1]):
-        ref_row, off_row = ref_table[ref], offloaded_refs[ref]
-        # Locals, read once: the outputs might alias the tables as far as the
-        # compiler knows, and loads in the loop would keep it from vectorising.
-        base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
-        page_size = ref_row[PAGE_SIZE]
-        off_base_ptr, off_row_stride = off_row[OFF_BASE_PTR], off_row[OFF_ROW_STRIDE]
-        sub_bytes = off_row[OFF_SUB_BYTES]
-        for k in range(first_k, n_blocks):
-            op = written + k - first_k
-            dev_out[op] = base_ptr + np.int64(ids[k]) * row_stride
-            off_out[op] = (
-                off_base_ptr
-                + chunk_of[k] * off_row_stride
-                + sub_block_of[k] * sub_bytes
-            )
-            sizes[op] = page_size
-        written += n_blocks - first_k
-    return written
+    for k in range(first_k, n_blocks):
+        op = written + k - first_k
+        dev_out[op] = base_ptr + np.int64(ids[k]) * row_stride
+        off_out[op] = (
+            off_base_ptr + chunk_of[k] * off_row_stride + sub_block_of[k] * sub_bytes
+        )
+        sizes[op] = page_size
+    return written + n_blocks - first_k
 
 
 @inline_helper
@@ -265,14 +257,13 @@ def fill_merged(
     Returns:
         The new number of descriptors.
     """
-    ref_table, offloaded_refs = tables
     dev_out, off_out, sizes = out
     # Refs of one group usually share their geometry, and with it their runs:
     # find them once per group and geometry.
     runs_of = (-1, -1, -1, -1)
     n_runs = ZERO
     for ref in range(refs[0], refs[1]):
-        rows = (ref_table[ref], offloaded_refs[ref])
+        rows = rows_of(tables, ref)
         geometry = (
             rows[0][ROW_STRIDE],
             rows[0][PAGE_SIZE],
@@ -297,5 +288,5 @@ def fill_merged(
             if continues(run, (dev_ptr, off_ptr, page), cap):
                 sizes[last] += page
                 first_k = ONE
-        written = fill_blocks(out, written, tables, (ref, ref + 1), blocks, first_k)
+        written = fill_blocks(out, written, blocks, rows, first_k)
     return written
