@@ -11,6 +11,11 @@ zeroes it. Scratch space, too, is allocated by the wrapper and passed in.
 One module per family: common (columns, statuses, shared helpers), resolve,
 plan and coalesce. The wrappers call the kernels through this package (as
 ``_kernels.resolve_kernel``), so that a benchmark may swap one in.
+
+Numba's on-disk cache of a kernel is invalidated by a change to the kernel's
+own file only: after editing a helper in common.py or coalesce.py, delete
+``ptrres/_kernels/__pycache__`` (or touch the kernels' files), or the cached
+kernels keep the old helper.
 """
 
 from .coalesce import coalesce_kernel
