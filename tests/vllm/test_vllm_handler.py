@@ -167,6 +167,27 @@ def test_descriptors_go_into_vllms_pooled_buffers() -> None:
         assert pooled[:3].numpy().tolist() == engine.calls[-1].src[:3].tolist()
 
 
+def test_transfers_in_flight_each_keep_their_buffers() -> None:
+    engine = CopyEngine()
+    with stubbed_vllm(engine):
+        handler = two_group_layout().handler(False)
+        a = specs(*IDS, CPU_IDS, gpu_to_cpu=False)
+        b = specs([1, 2, 3, 4, 5, 6], *IDS[1:], [0, 1, 3], gpu_to_cpu=False)
+        order = [a, b, a, b]
+        expected = [transfer(handler, engine, i, *s) for i, s in enumerate(order)]
+        plugin.patch()
+        for job, s in enumerate(order):  # all four in flight at once
+            handler.transfer_async(10 + job, *s)
+        assert len({id(t.batch_src) for t in handler._transfers}) == 4
+        got = engine.calls[-4:]
+        bytes_moved = [t.num_bytes for t in handler._transfers]
+        handler.get_finished()
+        for job, s in enumerate(order):  # and one at a time again
+            assert_same(expected[job], transfer(handler, engine, 20 + job, *s))
+    for (want, want_bytes), call, num_bytes in zip(expected, got, bytes_moved):
+        assert_same((want, want_bytes), ((call.src, call.dst, call.sizes), num_bytes))
+
+
 # --- bad ids -----------------------------------------------------------------
 
 
