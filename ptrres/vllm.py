@@ -51,6 +51,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("ptrres.vllm")
+# vLLM configures only its own "vllm" logger: where nobody handles ptrres's
+# records (the usual case inside vLLM), register() reports through a child of
+# it, so its line shows among vLLM's.
+_VLLM_CHILD_LOGGER = "vllm.ptrres"
 
 # vLLM releases whose handler this module was tested against.
 SUPPORTED_VLLM = "0.33.x"
@@ -154,7 +158,12 @@ def register() -> None:
             return
         patched = patch()
         if patched:
-            logger.info(
+            reporter = (
+                logger
+                if logger.hasHandlers()
+                else logging.getLogger(_VLLM_CHILD_LOGGER)
+            )
+            reporter.info(
                 "ptrres %s builds vLLM's KV offload descriptors: patched %s%s",
                 _ptrres_version(),
                 ", ".join(patched),

@@ -187,6 +187,30 @@ def test_register_patches_once_and_logs_one_line(
     assert "SingleDirectionOffloadingHandler.transfer_async" in lines[0].getMessage()
 
 
+def test_register_reports_among_vllms_lines_when_nobody_handles_ptrres(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside vLLM only its "vllm" logger has a handler: report through it."""
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    monkeypatch.delenv("PTRRES_VLLM", raising=False)
+    monkeypatch.setattr(plugin.logger, "hasHandlers", lambda: False)
+    child = logging.getLogger("vllm.ptrres")
+    handler = Collect(logging.INFO)
+    child.addHandler(handler)
+    monkeypatch.setattr(child, "level", logging.INFO)
+    try:
+        plugin.register()
+    finally:
+        child.removeHandler(handler)
+    assert [r.levelno for r in records] == [logging.INFO]
+    assert "transfer_async" in records[0].getMessage()
+
+
 @pytest.mark.parametrize("value", ["0", "false", "OFF"])
 def test_ptrres_vllm_0_keeps_the_plugin_off(
     value: str, monkeypatch: pytest.MonkeyPatch
