@@ -281,3 +281,49 @@ def test_importing_ptrres_never_imports_vllm() -> None:
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        ("vllm", "vLLM cannot be imported"),
+        (worker.__name__, "gpu_worker cannot be imported"),
+    ],
+)
+def test_a_vllm_that_cannot_be_imported_is_left_alone(
+    module: str, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = vars(Handler)["transfer_async"]
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    assert_warns_once(reason)
+    assert_untouched(original)
+
+
+def test_a_missing_handler_class_leaves_vllm_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(worker, "SingleDirectionOffloadingHandler")
+    assert_warns_once("SingleDirectionOffloadingHandler is missing")
+    assert not plugin.is_patched()
+
+
+def test_a_method_without_a_signature_leaves_vllm_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Unreadable:
+        __signature__ = "not a Signature"  # inspect.signature raises TypeError
+
+        def __call__(self) -> None:
+            pass
+
+    monkeypatch.setattr(Handler, "get_finished", Unreadable())
+    assert_warns_once("get_finished has no readable signature")
+    assert not plugin.is_patched()
+
+
+def test_optional_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert plugin._optional_module("json") is sys.modules["json"]
+    monkeypatch.delitem(sys.modules, "wave", raising=False)  # found, then imported
+    assert plugin._optional_module("wave").__name__ == "wave"  # type: ignore[union-attr]
+    assert plugin._optional_module("vllm.no_such_package.pointer_utils") is None
+    assert plugin._optional_module(POINTER_UTILS) is None  # not in vLLM 0.33
