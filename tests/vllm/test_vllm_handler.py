@@ -51,7 +51,8 @@ def transfer(handler: Any, engine: CopyEngine, job_id: int, src: Any, dst: Any) 
 def assert_same(vllm_result: Any, ptrres_result: Any) -> None:
     (v_src, v_dst, v_sizes), v_bytes = vllm_result
     (p_src, p_dst, p_sizes), p_bytes = ptrres_result
-    assert p_src.dtype == v_src.dtype == np.int64
+    assert p_src.dtype == v_src.dtype
+    assert p_src.dtype in (np.int64, np.uint64)
     assert p_src.tobytes() == v_src.tobytes()
     assert p_dst.tobytes() == v_dst.tobytes()
     assert p_sizes.tobytes() == v_sizes.tobytes()
@@ -186,6 +187,18 @@ def test_transfers_in_flight_each_keep_their_buffers() -> None:
             assert_same(expected[job], transfer(handler, engine, 20 + job, *s))
     for (want, want_bytes), call, num_bytes in zip(expected, got, bytes_moved):
         assert_same((want, want_bytes), ((call.src, call.dst, call.sizes), num_bytes))
+
+
+@pytest.mark.parametrize("gpu_to_cpu", [True, False])
+def test_xpu_uint64_buffers_get_the_same_descriptors(gpu_to_cpu: bool) -> None:
+    engine = CopyEngine()
+    with stubbed_vllm(engine, xpu=True):
+        handler = two_group_layout().handler(gpu_to_cpu)
+        src, dst = specs(*IDS, CPU_IDS, gpu_to_cpu=gpu_to_cpu)
+        expected = transfer(handler, engine, 1, src, dst)
+        assert expected[0][0].dtype == np.uint64  # vLLM's XPU buffers
+        plugin.patch()
+        assert_same(expected, transfer(handler, engine, 2, src, dst))
 
 
 # --- bad ids -----------------------------------------------------------------

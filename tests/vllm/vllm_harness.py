@@ -72,6 +72,9 @@ class FakePlatform:
 
     Stream = FakeStream
 
+    def __init__(self, xpu: bool = False) -> None:
+        self.xpu = xpu
+
     def current_stream(self) -> FakeStream:
         return FakeStream()
 
@@ -80,7 +83,7 @@ class FakePlatform:
         yield
 
     def is_xpu(self) -> bool:
-        return False
+        return self.xpu
 
     def is_rocm(self) -> bool:
         return False
@@ -109,8 +112,8 @@ class CopyEngine:
         sizes: Any,
         is_src_access_order_any: bool = False,
     ) -> None:
-        assert src.dtype == torch.int64
-        assert dst.dtype == torch.int64
+        assert src.dtype == dst.dtype == sizes.dtype
+        assert src.dtype in (torch.int64, torch.uint64)
         call = Submitted(src.numpy().copy(), dst.numpy().copy(), sizes.numpy().copy())
         self.calls.append(call)
         if self.memmove:
@@ -119,10 +122,15 @@ class CopyEngine:
 
 
 @contextlib.contextmanager
-def stubbed_vllm(copy: Callable[..., None] | None = None) -> Iterator[Any]:
-    """Streams, events and pinned memory stubbed; ops.swap_blocks_batch = copy."""
+def stubbed_vllm(
+    copy: Callable[..., None] | None = None, *, xpu: bool = False
+) -> Iterator[Any]:
+    """Streams, events and pinned memory stubbed; ops.swap_blocks_batch = copy.
+
+    With ``xpu``, the platform says XPU, so vLLM's buffers are uint64.
+    """
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(worker, "current_platform", FakePlatform())
+        mp.setattr(worker, "current_platform", FakePlatform(xpu))
         mp.setattr(worker, "PIN_MEMORY", False)
         mp.setattr(torch, "Event", FakeEvent)
         mp.setattr(worker.ops, "swap_blocks_batch", copy or CopyEngine())
