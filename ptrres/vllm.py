@@ -258,9 +258,11 @@ def _plan_replacements() -> tuple[list[_Replacement], str | None]:
             refusal = _signature_refusal(pointer_utils, name, _names(ours))
             if refusal is not None:
                 return [], refusal
-            replacements.append(
-                _Replacement(pointer_utils, name, getattr(pointer_utils, name), ours)
-            )
+            original = getattr(pointer_utils, name)
+            replacements.append(_Replacement(pointer_utils, name, original, ours))
+            # The worker may have imported it by name (`from ... import`).
+            if getattr(worker, name, None) is original:
+                replacements.append(_Replacement(worker, name, original, ours))
     return replacements, None
 
 

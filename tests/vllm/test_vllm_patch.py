@@ -78,6 +78,20 @@ def test_pointer_utils_gets_ptrres_drop_ins(monkeypatch: pytest.MonkeyPatch) -> 
     assert module.resolve_device_pointers is originals[0]
 
 
+def test_names_the_worker_imported_from_pointer_utils_are_replaced_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = fake_pointer_utils()
+    original = module.resolve_device_pointers
+    monkeypatch.setitem(sys.modules, POINTER_UTILS, module)
+    monkeypatch.setattr(worker, "resolve_device_pointers", original, raising=False)
+    assert f"{worker.__name__}.resolve_device_pointers" in plugin.patch()
+    assert worker.resolve_device_pointers is ptrres.resolve_device_pointers
+    assert not hasattr(worker, "iter_pointer_groups")  # never added
+    plugin.unpatch()
+    assert worker.resolve_device_pointers is original
+
+
 def test_no_pointer_utils_no_replacement() -> None:
     assert POINTER_UTILS not in sys.modules
     assert plugin.patch() == ["SingleDirectionOffloadingHandler.transfer_async"]
