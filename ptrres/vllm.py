@@ -1,4 +1,4 @@
-"""ptrres inside vLLM 0.33's CPU offloading worker, as a ``vllm.general_plugins``.
+"""ptrres inside vLLM 0.33's CPU offloading worker: a vLLM general plugin.
 
 vLLM 0.33 builds its copy descriptors in ``SingleDirectionOffloadingHandler``
 (``vllm/v1/kv_offload/cpu/gpu_worker.py``): a numpy pass per group, ref and
@@ -124,8 +124,16 @@ def patch() -> list[str]:
             _warn_once(refusal)
             return []
         _vllm_transfer_async = replacements[0].original
-        for r in replacements:
-            setattr(r.owner, r.name, r.replacement)
+        done: list[_Replacement] = []
+        try:
+            for r in replacements:
+                setattr(r.owner, r.name, r.replacement)
+                done.append(r)
+        except Exception as error:  # an attribute that cannot be set: undo all
+            for r in reversed(done):
+                setattr(r.owner, r.name, r.original)
+            _warn_once(f"{replacements[len(done)].qualified_name}: {error!r}")
+            return []
         _applied = replacements
         return [r.qualified_name for r in replacements]
 

@@ -92,6 +92,27 @@ def test_names_the_worker_imported_from_pointer_utils_are_replaced_too(
     assert worker.resolve_device_pointers is original
 
 
+def test_an_attribute_that_cannot_be_set_undoes_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Never half-patched: a failure on the last attribute restores the first."""
+
+    class ReadOnly(types.ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if value is ptrres.iter_pointer_groups:
+                raise AttributeError(f"{name} is read-only")
+            super().__setattr__(name, value)
+
+    module = fake_pointer_utils()
+    module.__class__ = ReadOnly
+    originals = (module.resolve_device_pointers, module.iter_pointer_groups)
+    transfer = vars(Handler)["transfer_async"]
+    monkeypatch.setitem(sys.modules, POINTER_UTILS, module)
+    assert_warns_once("iter_pointer_groups is read-only")
+    assert_untouched(transfer, module)
+    assert (module.resolve_device_pointers, module.iter_pointer_groups) == originals
+
+
 def test_no_pointer_utils_no_replacement() -> None:
     assert POINTER_UTILS not in sys.modules
     assert plugin.patch() == ["SingleDirectionOffloadingHandler.transfer_async"]
