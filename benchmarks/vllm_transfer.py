@@ -25,22 +25,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-
-import ptrres.vllm as plugin
-
-try:  # the presets' module, once the internal split has made it public
-    from ptrres.bench import (  # type: ignore[import-not-found]
-        PRESETS,
-        geometric_mean,
-        make_offloaded_ids,
-        make_spec,
-    )
-except ImportError:
-    from ptrres._bench import PRESETS, geometric_mean, make_offloaded_ids, make_spec
-
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec
 from vllm.v1.kv_offload.cpu import gpu_worker as worker
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+import ptrres.vllm as plugin
+from ptrres.bench import PRESETS, geometric_mean, make_offloaded_ids, make_spec
 
 LAYOUTS = ["llama-3.1-8b", "llama-3.1-70b-tp4", "hybrid-4x12"]
 BLOCKS = [1, 16, 256, 2048]
