@@ -145,8 +145,8 @@ def plan_transfer(
     )
     # A numpy uint64 would turn int64 // uint64 into float64: use a Python int.
     blocks_per_chunk = as_int(blocks_per_chunk, "blocks_per_chunk")
-    device_ptrs = resolve_device_pointers(device_spec, kv_caches)
     chunk_ids = as_block_ids(offloaded_ids, "offloaded_ids")
+    device_ptrs = resolve_device_pointers(device_spec, kv_caches)
     groups = list(iter_pointer_groups(device_ptrs, blocks_per_chunk))
     if len(chunk_ids) != sum(info.n_chunks for info in groups):
         raise OffloadedIdError(
