@@ -83,9 +83,16 @@ NOT_INTS = [
 
 def numpy_ints() -> st.SearchStrategy[Any]:
     """Numpy integer scalars of every width, with their extreme values."""
-    return st.sampled_from(
-        [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.uint64]
-    ).flatmap(
+    dtypes: list[Any] = [
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint32,
+        np.uint64,
+    ]
+    return st.sampled_from(dtypes).flatmap(
         lambda dtype: st.integers(
             int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)
         ).map(dtype)
@@ -450,9 +457,11 @@ def out_buffers(draw: Any, n_ops: int, count: int) -> Guarded:
         if kind == "none":
             buffers.append(None)
             continue
-        dtype = {"int32": np.int32, "float64": np.float64, "big-endian": ">i8"}.get(
-            kind, draw(st.sampled_from([np.int64, np.uint64]))
-        )
+        dtype: Any = {
+            "int32": np.int32,
+            "float64": np.float64,
+            "big-endian": ">i8",
+        }.get(kind, draw(st.sampled_from([np.int64, np.uint64])))
         factor = 2 if kind in ("2-d", "strided") else 1
         parent = np.full(length * factor + 2 * GUARD + 1, 77, dtype)
         if kind == "unaligned":
@@ -486,7 +495,7 @@ def out_buffers(draw: Any, n_ops: int, count: int) -> Guarded:
 
 def snapshot(*objects: Any) -> list[tuple[Any, bytes]]:
     """The bytes of every numpy array or CPU tensor among objects (one level deep)."""
-    found = []
+    found: list[tuple[Any, bytes]] = []
     for obj in objects:
         items = obj if isinstance(obj, (list, tuple)) else [obj]
         for item in items:
@@ -729,7 +738,7 @@ def test_hostile_resolve(case: PlanCase, data: st.DataObject) -> None:
 
 @st.composite
 def hostile_device_pointers(draw: Any, device_ptrs: ptrres.DevicePointers) -> Any:
-    fields = {
+    fields: dict[str, Any] = {
         "ptrs": device_ptrs.ptrs,
         "sizes": device_ptrs.sizes,
         "group_block_counts": device_ptrs.group_block_counts,

@@ -74,7 +74,12 @@ def long_calls() -> dict[str, Callable[[], Any]]:
     offloaded = ptrres.OffloadedLayout([torch.zeros(n_blocks, 16, dtype=torch.int8)], 1)
     spec = ptrres.GPULoadStoreSpec(rng.integers(0, n_blocks, n_ids), [n_ids], [0])
     chunk_ids = rng.integers(0, n_blocks, n_ids)
-    out = tuple(np.zeros(n_ids * n_refs, np.uint64) for _ in range(3))
+    out3 = (
+        np.zeros(n_ids * n_refs, np.uint64),
+        np.zeros(n_ids * n_refs, np.uint64),
+        np.zeros(n_ids * n_refs, np.uint64),
+    )
+    out = out3
     device_ptrs = table.resolve(spec)
 
     descriptors = table.plan_transfer(spec, offloaded, chunk_ids, store=True)
@@ -87,7 +92,7 @@ def long_calls() -> dict[str, Callable[[], Any]]:
             device_ptrs, offloaded, chunk_ids, store=False, out=out
         ),
         "coalesce": lambda: ptrres.coalesce(
-            descriptors.src, descriptors.dst, descriptors.sizes, out=out
+            descriptors.src, descriptors.dst, descriptors.sizes, out=out3
         ),
     }
 
@@ -157,7 +162,7 @@ def build_calls() -> list[tuple[Callable[..., Any], Any]]:
         start = int(rng.integers(0, 10))
         ids = np.concatenate(
             [start + np.arange(sizes[0]), rng.integers(0, 40, sizes[1])]
-        ).astype(rng.choice([np.int32, np.int64]))
+        ).astype([np.int32, np.int64][int(rng.integers(2))])
         spec = ptrres.GPULoadStoreSpec(ids, sizes, [int(rng.integers(0, 9)), 3])
         expected = reference.resolve_device_pointers(spec, kv)
         calls.append(
