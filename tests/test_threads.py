@@ -115,14 +115,15 @@ def test_kernels_let_other_threads_run(name: str) -> None:
     """Another thread progresses while a kernel runs (it released the GIL).
 
     On a busy machine the other thread may not be scheduled in time: the
-    best of a few tries counts. A kernel holding the GIL fails every try.
+    best of ten tries counts. A kernel holding the GIL fails every try
+    (it stalls the other thread for 88-100% of the call).
     """
     call = long_calls()[name]
     call()  # compiled, and memory touched
     stalls = []
-    for _ in range(5):
+    for _ in range(10):
         stalls.append(longest_stall(call))
-        if stalls[-1] < 0.25:
+        if stalls[-1] < 0.5:
             return
     pytest.fail(f"{name}: another thread stalled for {stalls} of the call")
 
