@@ -14,6 +14,7 @@ from ._errors import (
     PtrresError,
     SpecError,
 )
+from ._files import plan_file_ops
 from ._offloaded import OffloadedLayout
 from ._pointer_utils import (
     clear_table_cache,
@@ -27,6 +28,7 @@ from ._types import (
     CanonicalKVCacheTensor,
     DevicePointerGroupInfo,
     DevicePointers,
+    FilePlan,
     GPULoadStoreSpec,
     TransferPlan,
 )
@@ -43,6 +45,7 @@ __all__ = [
     "DevicePointerError",
     "DevicePointerGroupInfo",
     "DevicePointers",
+    "FilePlan",
     "GPULoadStoreSpec",
     "InputTypeError",
     "LayoutError",
@@ -57,6 +60,7 @@ __all__ = [
     "clear_table_cache",
     "coalesce",
     "iter_pointer_groups",
+    "plan_file_ops",
     "resolve_device_pointers",
     "warmup",
 ]

@@ -131,3 +131,36 @@ class DevicePointerGroupInfo(NamedTuple):
     n_chunks: int
     # Index in DevicePointers.ptrs of the group's first op.
     dev_ptr_offset: int
+
+
+@dataclass(eq=False)
+class FilePlan:
+    """File-tier ops of one transfer (SPEC 11): one file per (group, chunk).
+
+    Op i moves ``sizes[i]`` bytes between device pointer ``dev_ptrs[i]`` and
+    byte ``file_offsets[i]`` of its file: a cuFile/kvikio ``pread``/``pwrite``
+    (buffer, size, file offset), or one entry of ``cuFileBatchIOSubmit``.
+    """
+
+    # Device (or host) pointer of each op (uint64), ordered file -> ref -> block.
+    dev_ptrs: npt.NDArray[np.uint64]
+    # Byte offset of each op inside its file (uint64).
+    file_offsets: npt.NDArray[np.uint64]
+    # Bytes of each op (uint64): a page, or several when coalesced.
+    sizes: npt.NDArray[np.uint64]
+    # One entry per file plus one (int64): file f's ops are
+    # file_starts[f]:file_starts[f + 1]. Files are numbered by (non-empty
+    # group, chunk), the order of the offload keys.
+    file_starts: npt.NDArray[np.int64]
+    # KV-cache group of each file (int64).
+    file_groups: npt.NDArray[np.int64]
+    # Bytes of each file's full layout, bpc * sum of its group's pages (int64);
+    # a partial chunk leaves some of them unwritten.
+    file_bytes: npt.NDArray[np.int64]
+    # Bytes the whole transfer moves: the sum of sizes.
+    num_bytes: int
+
+    @property
+    def num_files(self) -> int:
+        """The number of files (len(file_starts) - 1)."""
+        return len(self.file_starts) - 1

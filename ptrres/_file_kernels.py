@@ -1,0 +1,319 @@
+"""The file-tier kernels: device pointers to (file, offset) ops (SPEC 11).
+
+One file holds one chunk of one group. The kernels write each file's ops,
+ordered ref -> block, and where each file's ops start; they return the number
+of ops written or a negative status, as the kernels of ``_kernels`` do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._config import inline_helper, kernel
+from ._kernels import (
+    BAD_BLOCK_ID,
+    BASE_PTR,
+    NUM_BLOCKS,
+    ONE,
+    OVERLAPPING_BUFFERS,
+    PAGE_SIZE,
+    ROW_STRIDE,
+    ZERO,
+    continues,
+    id_range,
+)
+
+# Statuses beyond those of _kernels: an op whose size is not its ref's page
+# (the other ops of that ref in that group), and a file whose layout would
+# not fit in int64 bytes.
+BAD_OP_SIZE = np.int64(-4)
+FILE_TOO_LARGE = np.int64(-5)
+
+# Rows of the per-group array of plan_file_ops_kernel.
+GROUP_IDX, GROUP_SIZE, GROUP_REFS, GROUP_SKIP = 0, 1, 2, 3
+
+IntArray = npt.NDArray[Any]
+UIntArray = npt.NDArray[np.uint64]
+
+_OUTPUTS = "uint64[::1], uint64[::1], uint64[::1], int64[::1], int64[::1], int64[::1]"
+
+
+@inline_helper
+def file_ops_overlap(
+    dev_out: UIntArray,
+    off_out: UIntArray,
+    size_out: UIntArray,
+    in_a: IntArray,
+    in_b: IntArray,
+) -> bool:
+    """Whether the three op outputs share a byte with each other or an input."""
+    if dev_out.size == 0:
+        return False
+    p0, o0, z0 = dev_out.ctypes.data, off_out.ctypes.data, size_out.ctypes.data
+    p1, o1 = p0 + np.uint64(dev_out.nbytes), o0 + np.uint64(off_out.nbytes)
+    z1 = z0 + np.uint64(size_out.nbytes)
+    a0, b0 = in_a.ctypes.data, in_b.ctypes.data
+    a1, b1 = a0 + np.uint64(in_a.nbytes), b0 + np.uint64(in_b.nbytes)
+    return bool(
+        (p0 < o1) & (o0 < p1) | (p0 < z1) & (z0 < p1) | (o0 < z1) & (z0 < o1)
+        | (a0 < a1) & ((p0 < a1) & (a0 < p1) | (o0 < a1) & (a0 < o1)
+                       | (z0 < a1) & (a0 < z1))
+        | (b0 < b1) & ((p0 < b1) & (b0 < p1) | (o0 < b1) & (b0 < o1)
+                       | (z0 < b1) & (b0 < z1))
+    )  # fmt: skip
+
+
+@inline_helper
+def group_files(
+    ptrs: UIntArray,
+    first_op: int,
+    n_blocks: int,
+    pages: UIntArray,
+    n_refs: int,
+    skip: int,
+    bpc: np.uint64,
+    block_major: bool,
+    merge: bool,
+    cap: np.uint64,
+    group: int,
+    dev_out: UIntArray,
+    off_out: UIntArray,
+    size_out: UIntArray,
+    written: np.uint64,
+    file_starts: IntArray,
+    file_groups: IntArray,
+    file_bytes: IntArray,
+    n_files: int,
+) -> Any:
+    """Append the files of one group: one per chunk, ops ordered ref -> block.
+
+    Args:
+        ptrs: device pointers; those of ref d of this group are
+            ``ptrs[first_op + d * n_blocks:][:n_blocks]``.
+        pages: the page of each of the group's refs (first n_refs entries),
+            checked so that ``bpc * sum(pages)`` fits in int64.
+        skip: slot of the group's first block in its first chunk.
+
+    Returns:
+        The new number of ops and of files.
+    """
+    total = ZERO
+    for d in range(n_refs):
+        total += pages[d]
+    n_chunks = (np.uint64(n_blocks) + np.uint64(skip) + bpc - ONE) // bpc
+    for chunk in range(n_chunks):
+        file_starts[n_files] = np.int64(written)
+        file_groups[n_files] = group
+        file_bytes[n_files] = np.int64(bpc * total)
+        n_files += 1
+        # Blocks k of this chunk: slots skip + k - chunk * bpc in [0, bpc).
+        chunk_start = np.uint64(chunk) * bpc
+        first_k = chunk_start - min(chunk_start, np.uint64(skip))
+        end_k = min(np.uint64(n_blocks), chunk_start + bpc - np.uint64(skip))
+        before = ZERO
+        for d in range(n_refs):
+            page = pages[d]
+            ref_ops = np.uint64(first_op) + np.uint64(d) * np.uint64(n_blocks)
+            for k in range(first_k, end_k):
+                slot = np.uint64(skip) + k - chunk_start
+                if block_major:
+                    offset = slot * total + before
+                else:
+                    offset = bpc * before + slot * page
+                dev_ptr = ptrs[ref_ops + k]
+                if (
+                    merge
+                    and written > np.uint64(file_starts[n_files - 1])
+                    and continues(
+                        dev_out[written - ONE], off_out[written - ONE],
+                        size_out[written - ONE], dev_ptr, offset, page, cap,
+                    )
+                ):  # fmt: skip
+                    size_out[written - ONE] += page
+                else:
+                    dev_out[written] = dev_ptr
+                    off_out[written] = offset
+                    size_out[written] = page
+                    written += ONE
+            before += page
+    return written, n_files
+
+
+@inline_helper
+def pages_fit(pages: UIntArray, n_refs: int, bpc: np.uint64) -> bool:
+    """Whether a file of bpc * sum(pages) bytes has every offset in int64."""
+    limit = np.uint64(2**63 - 1) // bpc
+    total = ZERO
+    for d in range(n_refs):
+        if pages[d] > limit - total:
+            return False
+        total += pages[d]
+    return True
+
+
+@kernel(
+    "int64(uint64[::1], uint64[::1], int64[:, ::1], int64, boolean, boolean, int64,"
+    f" {_OUTPUTS})"
+)
+def plan_file_ops_kernel(
+    ptrs: UIntArray,
+    sizes: UIntArray,
+    groups: IntArray,
+    blocks_per_chunk: int,
+    block_major: bool,
+    merge: bool,
+    max_run_bytes: int,
+    dev_out: UIntArray,
+    off_out: UIntArray,
+    size_out: UIntArray,
+    file_starts: IntArray,
+    file_groups: IntArray,
+    file_bytes: IntArray,
+) -> int:
+    """The file ops of resolved device pointers (SPEC 11).
+
+    Args:
+        ptrs, sizes: DevicePointers' arrays, ordered group -> ref -> block.
+        groups: (4, n) for the n non-empty groups: GROUP_IDX, GROUP_SIZE,
+            GROUP_REFS and GROUP_SKIP (block index % blocks_per_chunk).
+        blocks_per_chunk: slots per file (>= 1).
+        block_major: llm-d's layout if True, else PR #56076's ref-major one.
+        merge: coalesce ops that continue each other on both sides, inside
+            one file only.
+        max_run_bytes: the largest merged op (>= 1), or NO_CAP.
+        dev_out, off_out, size_out: the ops, at least as long as ``ptrs``.
+        file_starts: one entry per file plus one; file_groups, file_bytes: one
+            entry per file.
+
+    Returns:
+        The number of ops written, BAD_OP_SIZE, FILE_TOO_LARGE or
+        OVERLAPPING_BUFFERS. Nothing is written unless every check passes.
+    """
+    if file_ops_overlap(dev_out, off_out, size_out, ptrs, sizes):
+        return OVERLAPPING_BUFFERS
+    bpc = np.uint64(blocks_per_chunk)
+    cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
+    n_groups = groups.shape[1]
+    max_refs = 0
+    for g in range(n_groups):
+        max_refs = max(max_refs, groups[GROUP_REFS, g])
+    pages = np.empty(max_refs, np.uint64)
+    # Check first: every op of a ref has the ref's page, and files fit.
+    op = 0
+    for g in range(n_groups):
+        n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
+        for d in range(n_refs):
+            page = sizes[op]
+            for k in range(op, op + n_blocks):
+                if sizes[k] != page:
+                    return BAD_OP_SIZE
+            pages[d] = page
+            op += n_blocks
+        if not pages_fit(pages, n_refs, bpc):
+            return FILE_TOO_LARGE
+    written = ZERO
+    n_files = 0
+    op = 0
+    for g in range(n_groups):
+        n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
+        for d in range(n_refs):
+            pages[d] = sizes[op + d * n_blocks]
+        written, n_files = group_files(
+            ptrs, op, n_blocks, pages, n_refs, groups[GROUP_SKIP, g], bpc,
+            block_major, merge, cap, groups[GROUP_IDX, g], dev_out, off_out,
+            size_out, written, file_starts, file_groups, file_bytes, n_files,
+        )  # fmt: skip
+        op += n_blocks * n_refs
+    file_starts[n_files] = np.int64(written)
+    return np.int64(written)
+
+
+@kernel(
+    "int64(int64[:, ::1], int64[::1], int64[::1], int64[:, ::1], int64, boolean,"
+    f" boolean, int64, {_OUTPUTS})"
+)
+def table_file_ops_kernel(
+    ref_table: IntArray,
+    group_ref_start: IntArray,
+    block_ids: IntArray,
+    groups: IntArray,
+    blocks_per_chunk: int,
+    block_major: bool,
+    merge: bool,
+    max_run_bytes: int,
+    dev_out: UIntArray,
+    off_out: UIntArray,
+    size_out: UIntArray,
+    file_starts: IntArray,
+    file_groups: IntArray,
+    file_bytes: IntArray,
+) -> int:
+    """The file ops of a spec's block ids, resolved against a PointerTable.
+
+    Args:
+        ref_table, group_ref_start, block_ids: as _kernels.resolve_kernel.
+        groups: (2, n_groups): each group's size, then its block index.
+        the others: as plan_file_ops_kernel.
+
+    Returns:
+        The number of ops written, BAD_BLOCK_ID, FILE_TOO_LARGE or
+        OVERLAPPING_BUFFERS. Nothing is written unless every check passes.
+    """
+    if file_ops_overlap(dev_out, off_out, size_out, block_ids, block_ids):
+        return OVERLAPPING_BUFFERS
+    bpc = np.uint64(blocks_per_chunk)
+    cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
+    group_sizes, block_indices = groups[0], groups[1]
+    n_groups = group_sizes.shape[0]
+    # Check first: every id in range of each of its group's refs, files fit.
+    max_group_ops = 0
+    max_refs = 0
+    first_id = 0
+    for g in range(n_groups):
+        n_blocks = group_sizes[g]
+        first_ref, end_ref = group_ref_start[g], group_ref_start[g + 1]
+        max_refs = max(max_refs, end_ref - first_ref)
+        if n_blocks == 0:
+            continue
+        lowest, highest = id_range(block_ids[first_id : first_id + n_blocks])
+        first_id += n_blocks
+        for ref in range(first_ref, end_ref):
+            if lowest < 0 or highest >= ref_table[ref, NUM_BLOCKS]:
+                return BAD_BLOCK_ID
+        max_group_ops = max(max_group_ops, n_blocks * (end_ref - first_ref))
+    pages = np.empty(max_refs, np.uint64)
+    for g in range(n_groups):
+        first_ref, end_ref = group_ref_start[g], group_ref_start[g + 1]
+        for ref in range(first_ref, end_ref):
+            pages[ref - first_ref] = np.uint64(ref_table[ref, PAGE_SIZE])
+        if group_sizes[g] and not pages_fit(pages, end_ref - first_ref, bpc):
+            return FILE_TOO_LARGE
+    # Each group's pointers are resolved into `ptrs`, then laid out in files.
+    ptrs = np.empty(max_group_ops, np.uint64)
+    written = ZERO
+    n_files = 0
+    first_id = 0
+    for g in range(n_groups):
+        n_blocks = group_sizes[g]
+        if n_blocks == 0:
+            continue
+        first_ref, end_ref = group_ref_start[g], group_ref_start[g + 1]
+        for ref in range(first_ref, end_ref):
+            base_ptr = ref_table[ref, BASE_PTR]
+            row_stride = ref_table[ref, ROW_STRIDE]
+            first_op = (ref - first_ref) * n_blocks
+            for k in range(n_blocks):
+                ptrs[first_op + k] = base_ptr + block_ids[first_id + k] * row_stride
+            pages[ref - first_ref] = np.uint64(ref_table[ref, PAGE_SIZE])
+        written, n_files = group_files(
+            ptrs, 0, n_blocks, pages, end_ref - first_ref,
+            block_indices[g] % blocks_per_chunk, bpc, block_major, merge, cap, g,
+            dev_out, off_out, size_out, written, file_starts, file_groups,
+            file_bytes, n_files,
+        )  # fmt: skip
+        first_id += n_blocks
+    file_starts[n_files] = np.int64(written)
+    return np.int64(written)
