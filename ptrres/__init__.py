@@ -21,6 +21,7 @@ from ._pointer_utils import (
     iter_pointer_groups,
     resolve_device_pointers,
 )
+from ._posix import read_files, write_files
 from ._table import PointerTable
 from ._types import (
     CanonicalKVCacheRef,
@@ -61,6 +62,8 @@ __all__ = [
     "coalesce",
     "iter_pointer_groups",
     "plan_file_ops",
+    "read_files",
     "resolve_device_pointers",
     "warmup",
+    "write_files",
 ]
