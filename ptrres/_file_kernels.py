@@ -117,27 +117,33 @@ def group_files(
         for d in range(n_refs):
             page = pages[d]
             ref_ops = np.uint64(first_op) + np.uint64(d) * np.uint64(n_blocks)
-            for k in range(first_k, end_k):
-                slot = np.uint64(skip) + k - chunk_start
-                if block_major:
-                    offset = slot * total + before
-                else:
-                    offset = bpc * before + slot * page
-                dev_ptr = ptrs[ref_ops + k]
-                if (
-                    merge
-                    and written > np.uint64(file_starts[n_files - 1])
-                    and continues(
-                        dev_out[written - ONE], off_out[written - ONE],
-                        size_out[written - ONE], dev_ptr, offset, page, cap,
-                    )
-                ):  # fmt: skip
-                    size_out[written - ONE] += page
-                else:
-                    dev_out[written] = dev_ptr
+            slot = np.uint64(skip) + first_k - chunk_start
+            if block_major:
+                offset, step = slot * total + before, total
+            else:
+                offset, step = bpc * before + slot * page, page
+            if not merge:
+                # One op per block, branch-free: the loop vectorises.
+                for k in range(first_k, end_k):
+                    dev_out[written] = ptrs[ref_ops + k]
                     off_out[written] = offset
                     size_out[written] = page
+                    offset += step
                     written += ONE
+            else:
+                for k in range(first_k, end_k):
+                    dev_ptr = ptrs[ref_ops + k]
+                    if written > np.uint64(file_starts[n_files - 1]) and continues(
+                        dev_out[written - ONE], off_out[written - ONE],
+                        size_out[written - ONE], dev_ptr, offset, page, cap,
+                    ):  # fmt: skip
+                        size_out[written - ONE] += page
+                    else:
+                        dev_out[written] = dev_ptr
+                        off_out[written] = offset
+                        size_out[written] = page
+                        written += ONE
+                    offset += step
             before += page
     return written, n_files
 
@@ -185,8 +191,9 @@ def plan_file_ops_kernel(
             one file only.
         max_run_bytes: the largest merged op (>= 1), or NO_CAP.
         dev_out, off_out, size_out: the ops, at least as long as ``ptrs``.
-        file_starts: one entry per file plus one; file_groups, file_bytes: one
-            entry per file.
+        file_starts: one entry per file plus one; file_groups: one entry
+            per file; file_bytes: one entry per file plus one, the last
+            getting the sum of ``sizes`` (as uint64 bits), the plan's num_bytes.
 
     Returns:
         The number of ops written, BAD_OP_SIZE, FILE_TOO_LARGE or
@@ -203,6 +210,7 @@ def plan_file_ops_kernel(
     pages = np.empty(max_refs, np.uint64)
     # Check first: every op of a ref has the ref's page, and files fit.
     op = 0
+    num_bytes = ZERO
     for g in range(n_groups):
         n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
         for d in range(n_refs):
@@ -211,9 +219,11 @@ def plan_file_ops_kernel(
                 if sizes[k] != page:
                     return BAD_OP_SIZE
             pages[d] = page
+            num_bytes += page * np.uint64(n_blocks)
             op += n_blocks
         if not pages_fit(pages, n_refs, bpc):
             return FILE_TOO_LARGE
+    file_bytes[file_bytes.shape[0] - 1] = np.int64(num_bytes)
     written = ZERO
     n_files = 0
     op = 0

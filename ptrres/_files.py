@@ -90,11 +90,10 @@ def plan_file_ops(
     bpc, block_major, merge, cap = _options(
         blocks_per_chunk, layout, coalesce, max_run_bytes
     )
-    raw_ptrs, raw_sizes = attributes(
+    raw_ptrs, raw_sizes, *counts = attributes(
         device_ptrs, DEVICE_POINTERS_FIELDS, "device_ptrs"
-    )[:2]
-    infos = list(iter_pointer_groups(device_ptrs, bpc))
-    n_ops = sum(info.group_size * info.n_data_refs for info in infos)
+    )
+    groups, n_ops, n_files = _groups(device_ptrs, counts, bpc)
     ptrs = descriptor_array(raw_ptrs, "device_ptrs.ptrs")
     sizes = descriptor_array(raw_sizes, "device_ptrs.sizes")
     if not len(ptrs) == len(sizes) == n_ops:
@@ -102,18 +101,8 @@ def plan_file_ops(
             f"device_ptrs has {len(ptrs)} ptrs and {len(sizes)} sizes, but its "
             f"groups make {n_ops} ops"
         )
-    groups = np.array(
-        [
-            [info.group_idx for info in infos],
-            [info.group_size for info in infos],
-            [info.n_data_refs for info in infos],
-            [info.skip for info in infos],
-        ],
-        np.int64,
-    ).reshape(4, len(infos))
-    n_files = sum(info.n_chunks for info in infos)
     dev_out, off_out, size_out = out_arrays(out, n_ops, FILE_OPS)
-    file_starts, file_groups, file_bytes = _file_arrays(n_files)
+    file_starts, file_groups, file_bytes = _file_arrays(n_files, 1)
     written = _file_kernels.plan_file_ops_kernel(
         ptrs, sizes, groups, bpc, block_major, merge, cap,
         dev_out, off_out, size_out, file_starts, file_groups, file_bytes,
@@ -121,10 +110,16 @@ def plan_file_ops(
     if written < 0:
         if written == OVERLAPPING_BUFFERS:
             raise overlap_error("out's dev_ptrs, file_offsets and sizes, and the input")
-        raise _size_error(infos, sizes, bpc)
-    return _file_plan(
-        dev_out, off_out, size_out, int(written), n_ops, sizes, file_starts,
-        file_groups, file_bytes,
+        raise _size_error(list(iter_pointer_groups(device_ptrs, bpc)), sizes, bpc)
+    if written < n_ops:
+        dev_out, off_out, size_out = (
+            dev_out[:written],
+            off_out[:written],
+            size_out[:written],
+        )
+    return FilePlan(
+        dev_out, off_out, size_out, file_starts, file_groups, file_bytes[:n_files],
+        int(file_bytes[n_files:].view(np.uint64)[0]),
     )  # fmt: skip
 
 
@@ -181,6 +176,51 @@ def plan_table_file_ops(
     )  # fmt: skip
 
 
+# The non-empty groups of plan_file_ops, by their (group_block_counts,
+# group_data_ref_counts, block_indices, bpc): transfers repeat their shapes,
+# and reading the counts costs more than planning a few hundred ops.
+_GroupsEntry = tuple[npt.NDArray[np.int64], int, int]
+_groups_cache: dict[tuple[Any, ...], _GroupsEntry] = {}
+_MAX_CACHED_GROUPS = 256
+
+
+def _groups(device_ptrs: Any, counts: list[Any], bpc: int) -> _GroupsEntry:
+    """The kernel's (4, n) array of non-empty groups, the ops and the files.
+
+    Counts given as tuples of Python ints (as DevicePointers holds them) are
+    looked up in a cache; anything else goes through iter_pointer_groups'
+    checks, which also produce the error messages.
+    """
+    key = None
+    if all(type(values) is tuple for values in counts):
+        key = (*counts, bpc)
+        entry = _groups_cache.get(key)
+        if entry is not None and all(
+            type(value) is int for values in counts for value in values
+        ):
+            return entry
+    infos = list(iter_pointer_groups(device_ptrs, bpc))
+    groups = np.array(
+        [
+            [info.group_idx for info in infos],
+            [info.group_size for info in infos],
+            [info.n_data_refs for info in infos],
+            [info.skip for info in infos],
+        ],
+        np.int64,
+    ).reshape(4, len(infos))
+    entry = (
+        groups,
+        sum(info.group_size * info.n_data_refs for info in infos),
+        sum(info.n_chunks for info in infos),
+    )
+    if key is not None and all(type(v) is int for values in counts for v in values):
+        if len(_groups_cache) >= _MAX_CACHED_GROUPS:
+            _groups_cache.clear()
+        _groups_cache[key] = entry
+    return entry
+
+
 def _options(
     blocks_per_chunk: Any, layout: Any, coalesce: Any, max_run_bytes: Any
 ) -> tuple[int, bool, bool, int]:
@@ -200,37 +240,14 @@ def _options(
 
 
 def _file_arrays(
-    n_files: int,
+    n_files: int, extra_bytes: int = 0
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """file_starts, file_groups and file_bytes for n_files files."""
+    """file_starts, file_groups and file_bytes (with extra entries) for n files."""
     return (
         np.empty(n_files + 1, np.int64),
         np.empty(n_files, np.int64),
-        np.empty(n_files, np.int64),
+        np.empty(n_files + extra_bytes, np.int64),
     )
-
-
-def _file_plan(
-    dev_out: npt.NDArray[np.uint64],
-    off_out: npt.NDArray[np.uint64],
-    size_out: npt.NDArray[np.uint64],
-    written: int,
-    n_ops: int,
-    sizes: npt.NDArray[np.uint64],
-    file_starts: npt.NDArray[np.int64],
-    file_groups: npt.NDArray[np.int64],
-    file_bytes: npt.NDArray[np.int64],
-) -> FilePlan:
-    if written < n_ops:
-        dev_out, off_out, size_out = (
-            dev_out[:written],
-            off_out[:written],
-            size_out[:written],
-        )
-    return FilePlan(
-        dev_out, off_out, size_out, file_starts, file_groups, file_bytes,
-        int(sizes.sum(dtype=np.uint64)),
-    )  # fmt: skip
 
 
 def _size_error(infos: list[Any], sizes: npt.NDArray[np.uint64], bpc: int) -> SpecError:

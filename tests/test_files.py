@@ -401,3 +401,25 @@ def test_table_plan_file_too_large() -> None:
     spec = ptrres.GPULoadStoreSpec(np.array([0, 1]))
     with pytest.raises(ptrres.SpecError, match="group 0: a file"):
         ptrres.PointerTable(kv).plan_file_ops(spec, 2**62)
+
+
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "hybrid-4x12"])
+def test_bench_peer_builds_the_same_ops(preset: str) -> None:
+    """The PR worker's op building that `ptrres bench --operation files` times
+    builds exactly plan_file_ops' ops, file by file."""
+    from ptrres._bench import PRESETS, bench_cell, make_spec, pr_worker_file_ops
+
+    layout = PRESETS[preset]
+    spec = make_spec(layout, 6, block_index=3)
+    device_ptrs = ptrres.PointerTable(layout.kv_caches()).resolve(spec)
+    plan = ptrres.plan_file_ops(device_ptrs, 4)
+    assert [
+        [(ptr, size, offset) for ptr, offset, size in file_ops(plan, f)]
+        for f in range(plan.num_files)
+    ] == pr_worker_file_ops(device_ptrs, 4)
+    row = bench_cell(layout, "files", 2, seconds=0.01, with_fill=True)
+    assert (row.operation, row.ops, row.descriptors) == (
+        "files",
+        2 * layout.num_refs,
+        2 * layout.num_refs,
+    )
