@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 import ptrres
-from ptrres._bench import PRESETS, bench_cell, geometric_mean
 from ptrres._posix import _host_bytes
+from ptrres.bench import PRESETS, bench_cell, geometric_mean
 
 PAGE = 16 * 1024
 REFS = 32

@@ -22,16 +22,18 @@ from ._pointer_utils import (
     resolve_device_pointers,
 )
 from ._posix import read_files, write_files
+from ._results import (
+    DevicePointerGroupInfo,
+    DevicePointers,
+    FilePlan,
+    TransferPlan,
+)
 from ._table import PointerTable
 from ._types import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
-    DevicePointerGroupInfo,
-    DevicePointers,
-    FilePlan,
     GPULoadStoreSpec,
-    TransferPlan,
 )
 from ._warmup import CompiledKernel, WarmupReport, warmup
 

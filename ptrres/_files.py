@@ -13,30 +13,29 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _file_kernels
-from ._errors import InputTypeError, SpecError
-from ._kernels import OVERLAPPING_BUFFERS
-from ._layout import (
+from . import _kernels
+from ._args import (
     DEVICE_POINTERS_FIELDS,
-    INT64,
     SPEC_FIELDS,
+    UINT64,
     as_int,
-    attributes,
+    block_ids_arg,
     descriptor_array,
+    max_run_arg,
     missing_attributes,
-    num_chunks,
     out_arrays,
-    overlap_error,
 )
+from ._diagnose import file_plan_error, overlap_error, resolve_error
+from ._errors import InputTypeError, SpecError
 from ._pointer_utils import iter_pointer_groups
-from ._table import _block_ids, max_run_arg
-from ._types import FilePlan
+from ._results import DevicePointers, FilePlan
 
 if TYPE_CHECKING:
     from ._table import Buffers, PointerTable
 
-# The layouts of a file (SPEC 11).
+# The layouts of a file (SPEC 11), and whether each is block-major.
 LAYOUTS = ("ref-major", "block-major")
+_BLOCK_MAJOR = {"ref-major": False, "block-major": True}
 # What the out= buffers of plan_file_ops are, in order (for out_arrays).
 FILE_OPS = ("out[0] (dev_ptrs)", "out[1] (file_offsets)", "out[2] (sizes)")
 
@@ -87,13 +86,19 @@ def plan_file_ops(
             not its ref's page, a file larger than 2**63 - 1 bytes.
         InputTypeError, OutBufferError: malformed input.
     """
-    bpc, block_major, merge, cap = _options(
-        blocks_per_chunk, layout, coalesce, max_run_bytes
-    )
-    raw_ptrs, raw_sizes, *counts = attributes(
-        device_ptrs, DEVICE_POINTERS_FIELDS, "device_ptrs"
-    )
-    groups, n_ops, n_files = _groups(device_ptrs, counts, bpc)
+    options = _options(blocks_per_chunk, layout, coalesce, max_run_bytes)
+    try:
+        raw_ptrs, raw_sizes = device_ptrs.ptrs, device_ptrs.sizes
+        counts = (
+            device_ptrs.group_block_counts,
+            device_ptrs.group_data_ref_counts,
+            device_ptrs.block_indices,
+        )
+    except AttributeError:
+        raise missing_attributes(
+            device_ptrs, DEVICE_POINTERS_FIELDS, "device_ptrs"
+        ) from None
+    groups, n_ops, n_files = _groups(device_ptrs, counts, options[0])
     ptrs = descriptor_array(raw_ptrs, "device_ptrs.ptrs")
     sizes = descriptor_array(raw_sizes, "device_ptrs.sizes")
     if not len(ptrs) == len(sizes) == n_ops:
@@ -101,26 +106,8 @@ def plan_file_ops(
             f"device_ptrs has {len(ptrs)} ptrs and {len(sizes)} sizes, but its "
             f"groups make {n_ops} ops"
         )
-    dev_out, off_out, size_out = out_arrays(out, n_ops, FILE_OPS)
-    file_starts, file_groups, file_bytes = _file_arrays(n_files, 1)
-    written = _file_kernels.plan_file_ops_kernel(
-        ptrs, sizes, groups, bpc, block_major, merge, cap,
-        dev_out, off_out, size_out, file_starts, file_groups, file_bytes,
-    )  # fmt: skip
-    if written < 0:
-        if written == OVERLAPPING_BUFFERS:
-            raise overlap_error("out's dev_ptrs, file_offsets and sizes, and the input")
-        raise _size_error(list(iter_pointer_groups(device_ptrs, bpc)), sizes, bpc)
-    if written < n_ops:
-        dev_out, off_out, size_out = (
-            dev_out[:written],
-            off_out[:written],
-            size_out[:written],
-        )
-    return FilePlan(
-        dev_out, off_out, size_out, file_starts, file_groups, file_bytes[:n_files],
-        int(file_bytes[n_files:].view(np.uint64)[0]),
-    )  # fmt: skip
+    outputs = None if out is None else out_arrays(out, n_ops, FILE_OPS)
+    return _run(ptrs, sizes, groups, n_files, options, outputs, device_ptrs)
 
 
 def plan_table_file_ops(
@@ -133,71 +120,122 @@ def plan_table_file_ops(
     max_run_bytes: int | None = None,
     out: Buffers | None = None,
 ) -> FilePlan:
-    """PointerTable.plan_file_ops: resolve a spec and plan its files in one pass."""
-    bpc, block_major, merge, cap = _options(
-        blocks_per_chunk, layout, coalesce, max_run_bytes
-    )
+    """PointerTable.plan_file_ops: resolve a spec into scratch, checking every
+    block id before anything is written, then plan its files."""
+    options = _options(blocks_per_chunk, layout, coalesce, max_run_bytes)
     try:
         raw_ids = device_spec.block_ids
         raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
     except AttributeError:
         raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
-    block_ids = _block_ids(raw_ids)
-    n_ops, num_bytes, group_sizes, block_indices = table._check_groups(
+    block_ids = block_ids_arg(raw_ids)
+    n_ops, _, group_sizes, block_indices = table._check_groups(
         raw_sizes, raw_indices, len(block_ids)
     )
-    if block_ids.dtype is not INT64:
-        block_ids = block_ids.astype(np.int64)
-    n_files = sum(num_chunks(n, i, bpc) for n, i in zip(group_sizes, block_indices))
-    dev_out, off_out, size_out = out_arrays(out, n_ops, FILE_OPS)
-    file_starts, file_groups, file_bytes = _file_arrays(n_files)
-    written = _file_kernels.table_file_ops_kernel(
-        table.ref_table, table.group_ref_start, block_ids,
-        table._group_array(group_sizes, block_indices), bpc, block_major, merge,
-        cap, dev_out, off_out, size_out, file_starts, file_groups, file_bytes,
+    outputs = None
+    if out is not None:
+        outputs = out_arrays(out, n_ops, FILE_OPS)
+        # The kernel reads the ids' pointers from scratch, but the plan must
+        # not overwrite the caller's ids either.
+        for buffer in outputs:
+            if len(buffer) and np.may_share_memory(buffer, block_ids):
+                raise overlap_error(
+                    "out's dev_ptrs, file_offsets and sizes, and block_ids"
+                )
+    ptrs = np.empty(n_ops, np.uint64)
+    sizes = np.empty(n_ops, np.uint64)
+    status = _kernels.resolve_kernel(
+        table.ref_table,
+        table.group_ref_start,
+        block_ids,
+        table._group_sizes_array(group_sizes),
+        ptrs,
+        sizes,
+    )
+    if status < 0:  # the scratch is the wrapper's own: only an id can be bad
+        raise resolve_error(table._groups, block_ids, group_sizes)
+    resolved = DevicePointers(
+        ptrs, sizes, group_sizes, table.group_data_ref_counts, block_indices
+    )
+    counts = (group_sizes, table.group_data_ref_counts, block_indices)
+    groups, _, n_files = _groups(resolved, counts, options[0])
+    return _run(ptrs, sizes, groups, n_files, options, outputs, resolved)
+
+
+_Options = tuple[int, bool, bool, int]
+
+
+def _run(
+    ptrs: npt.NDArray[np.uint64],
+    sizes: npt.NDArray[np.uint64],
+    groups: npt.NDArray[np.int64],
+    n_files: int,
+    options: _Options,
+    outputs: list[npt.NDArray[np.uint64]] | None,
+    device_ptrs: Any,
+) -> FilePlan:
+    """Run the file kernel on checked input, and turn a failure into its error.
+
+    ``outputs`` are the views out_arrays made of the caller's out= buffers, or
+    None for new arrays (made here: out_arrays' generic path costs more).
+    """
+    bpc, block_major, merge, cap = options
+    n_ops = len(ptrs)
+    if outputs is None:
+        dev_out = np.empty(n_ops, np.uint64)
+        off_out = np.empty(n_ops, np.uint64)
+        size_out = np.empty(n_ops, np.uint64)
+    else:
+        dev_out, off_out, size_out = outputs
+    file_starts = np.empty(n_files + 1, np.int64)
+    file_groups = np.empty(n_files, np.int64)
+    file_bytes = np.empty(n_files + 1, np.int64)  # the last: num_bytes
+    written = _kernels.plan_file_ops_kernel(
+        ptrs, sizes, groups, bpc, block_major, merge, cap,
+        dev_out, off_out, size_out, file_starts, file_groups, file_bytes,
     )  # fmt: skip
     if written < 0:
-        if written == OVERLAPPING_BUFFERS:
-            raise overlap_error("out's dev_ptrs, file_offsets and sizes, and block_ids")
-        bad = table._bad_block_id(block_ids, group_sizes)
-        if bad is not None:
-            raise table._block_id_error(bad)
-        raise _too_large_error(
-            [
-                (g, [ref.page_size_bytes for ref in refs])
-                for g, (refs, n) in enumerate(zip(table._groups, group_sizes))
-                if n
-            ],
-            bpc,
+        if written == _kernels.OVERLAPPING_BUFFERS:
+            raise overlap_error("out's dev_ptrs, file_offsets and sizes, and the input")
+        raise file_plan_error(list(iter_pointer_groups(device_ptrs, bpc)), sizes, bpc)
+    if written < n_ops:
+        dev_out, off_out, size_out = (
+            dev_out[:written],
+            off_out[:written],
+            size_out[:written],
         )
     return FilePlan(
-        dev_out[:written], off_out[:written], size_out[:written], file_starts,
-        file_groups, file_bytes, num_bytes,
+        dev_out, off_out, size_out, file_starts, file_groups, file_bytes[:n_files],
+        int(file_bytes[n_files:].view(UINT64)[0]),
     )  # fmt: skip
 
 
-# The non-empty groups of plan_file_ops, by their (group_block_counts,
-# group_data_ref_counts, block_indices, bpc): transfers repeat their shapes,
-# and reading the counts costs more than planning a few hundred ops.
+# The non-empty groups of a file plan, by their (group_block_counts,
+# group_data_ref_counts, block_indices) and bpc: transfers repeat their
+# shapes, and reading the counts costs more than planning a few hundred ops.
 _GroupsEntry = tuple[npt.NDArray[np.int64], int, int]
 _groups_cache: dict[tuple[Any, ...], _GroupsEntry] = {}
 _MAX_CACHED_GROUPS = 256
 
 
-def _groups(device_ptrs: Any, counts: list[Any], bpc: int) -> _GroupsEntry:
+def _groups(device_ptrs: Any, counts: tuple[Any, Any, Any], bpc: int) -> _GroupsEntry:
     """The kernel's (4, n) array of non-empty groups, the ops and the files.
 
     Counts given as tuples of Python ints (as DevicePointers holds them) are
     looked up in a cache; anything else goes through iter_pointer_groups'
     checks, which also produce the error messages.
     """
+    block_counts, ref_counts, block_indices = counts
     key = None
-    if all(type(values) is tuple for values in counts):
-        key = (*counts, bpc)
+    if (
+        type(block_counts) is tuple
+        and type(ref_counts) is tuple
+        and type(block_indices) is tuple
+    ):
+        key = (block_counts, ref_counts, block_indices, bpc)
         entry = _groups_cache.get(key)
-        if entry is not None and all(
-            type(value) is int for values in counts for value in values
-        ):
+        # A hit by equal values still needs them to be ints: True == 1.
+        if entry is not None and _all_ints(key):
             return entry
     infos = list(iter_pointer_groups(device_ptrs, bpc))
     groups = np.array(
@@ -214,70 +252,42 @@ def _groups(device_ptrs: Any, counts: list[Any], bpc: int) -> _GroupsEntry:
         sum(info.group_size * info.n_data_refs for info in infos),
         sum(info.n_chunks for info in infos),
     )
-    if key is not None and all(type(v) is int for values in counts for v in values):
+    if key is not None and _all_ints(key):
         if len(_groups_cache) >= _MAX_CACHED_GROUPS:
             _groups_cache.clear()
         _groups_cache[key] = entry
     return entry
 
 
+_INT_ONLY = {int}
+
+
+def _all_ints(key: tuple[Any, ...]) -> bool:
+    """Whether the three count tuples of a cache key hold Python ints only."""
+    counts_a, counts_b, counts_c, _ = key
+    types = set(map(type, counts_a))
+    types.update(map(type, counts_b), map(type, counts_c))
+    return types <= _INT_ONLY
+
+
 def _options(
     blocks_per_chunk: Any, layout: Any, coalesce: Any, max_run_bytes: Any
-) -> tuple[int, bool, bool, int]:
-    """The checked options: bpc, block-major or not, merge, the kernels' cap."""
-    bpc = as_int(blocks_per_chunk, "blocks_per_chunk")
-    if not 1 <= bpc < 2**63:  # the kernels take an int64
+) -> _Options:
+    """The checked options: bpc, block-major or not, merge, the kernel's cap."""
+    if type(blocks_per_chunk) is int:
+        bpc = blocks_per_chunk
+    else:
+        bpc = as_int(blocks_per_chunk, "blocks_per_chunk")
+    if not 1 <= bpc < 2**63:  # the kernel takes an int64
         raise SpecError(f"blocks_per_chunk must be >= 1 and < 2**63, got {bpc}")
     if not isinstance(layout, str):
         raise InputTypeError(
             f"layout must be one of {LAYOUTS}, got {type(layout).__name__}"
         )
-    if layout not in LAYOUTS:
+    block_major = _BLOCK_MAJOR.get(layout)
+    if block_major is None:
         raise SpecError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if type(coalesce) is not bool:
         raise InputTypeError(f"coalesce must be True or False, got {coalesce!r}")
-    return bpc, layout == "block-major", coalesce, max_run_arg(max_run_bytes)
-
-
-def _file_arrays(
-    n_files: int, extra_bytes: int = 0
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """file_starts, file_groups and file_bytes (with extra entries) for n files."""
-    return (
-        np.empty(n_files + 1, np.int64),
-        np.empty(n_files, np.int64),
-        np.empty(n_files + extra_bytes, np.int64),
-    )
-
-
-def _size_error(infos: list[Any], sizes: npt.NDArray[np.uint64], bpc: int) -> SpecError:
-    """The error of a failed plan_file_ops: an op size, or a file too large."""
-    pages = []
-    for info in infos:
-        group_pages = []
-        for d in range(info.n_data_refs):
-            first = info.dev_ptr_offset + d * info.group_size
-            ref_sizes = sizes[first : first + info.group_size]
-            bad = np.flatnonzero(ref_sizes != ref_sizes[0])
-            if len(bad):
-                position = int(bad[0])
-                return SpecError(
-                    f"group {info.group_idx}, ref {d}, position {position}: size "
-                    f"{int(ref_sizes[position])} differs from the ref's first size "
-                    f"{int(ref_sizes[0])}; every op of one ref of one group has "
-                    "the ref's page as its size"
-                )
-            group_pages.append(int(ref_sizes[0]))
-        pages.append((info.group_idx, group_pages))
-    return _too_large_error(pages, bpc)
-
-
-def _too_large_error(pages: list[tuple[int, list[int]]], bpc: int) -> SpecError:
-    """The error for the first group whose files would pass 2**63 - 1 bytes."""
-    for group, group_pages in pages:
-        if bpc * sum(group_pages) > 2**63 - 1:
-            return SpecError(
-                f"group {group}: a file of blocks_per_chunk * sum(pages) = "
-                f"{bpc} * {sum(group_pages)} bytes has offsets beyond 2**63 - 1"
-            )
-    raise AssertionError("the kernel reported a plan error that is not there")
+    cap = _kernels.NO_CAP if max_run_bytes is None else max_run_arg(max_run_bytes)
+    return bpc, block_major, coalesce, cap

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._args import as_int, as_list, attributes, descriptor_array
 from ._errors import InputTypeError, SpecError
-from ._layout import as_int, as_list, attributes, descriptor_array
 
 # The most buffers one pwritev/preadv takes (1024 on Linux).
 IOV_MAX: int = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024

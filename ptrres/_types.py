@@ -1,4 +1,4 @@
-"""The data model, with vLLM's names and fields.
+"""What callers pass in, with vLLM's names and fields.
 
 Every function of ptrres also accepts any object that has these attribute
 names (vLLM's own classes among them): these classes are a convenience for
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -87,80 +87,3 @@ class CanonicalKVCaches:
     # group_data_refs[g] lists the refs of group g, in copy order. Several refs
     # (of different groups) may share a tensor; a group may have no refs.
     group_data_refs: list[list[CanonicalKVCacheRef]] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class DevicePointers:
-    """Resolved device pointers: one (ptr, size) per group, ref and block."""
-
-    # Pointer of each copy op, ordered group -> ref -> block.
-    ptrs: npt.NDArray[np.uint64]
-    # Bytes of each copy op (the ref's page_size_bytes).
-    sizes: npt.NDArray[np.uint64]
-    # Blocks of each group (the spec's group_sizes), empty groups included.
-    group_block_counts: tuple[int, ...]
-    # Refs of each group.
-    group_data_ref_counts: tuple[int, ...]
-    # Index inside the request of each group's first block.
-    block_indices: tuple[int, ...]
-
-
-@dataclass(eq=False)
-class TransferPlan:
-    """Copy descriptors of one transfer: copy sizes[i] bytes from src[i] to dst[i]."""
-
-    # Source pointer of each descriptor (uint64).
-    src: npt.NDArray[np.uint64]
-    # Destination pointer of each descriptor (uint64).
-    dst: npt.NDArray[np.uint64]
-    # Bytes of each descriptor (uint64).
-    sizes: npt.NDArray[np.uint64]
-    # Bytes the whole transfer copies: the sum of sizes.
-    num_bytes: int
-
-
-class DevicePointerGroupInfo(NamedTuple):
-    """Where one non-empty group sits in DevicePointers and in offloaded chunks."""
-
-    group_idx: int
-    group_size: int
-    n_data_refs: int
-    # Offset of the group's first block inside its first offloaded chunk.
-    skip: int
-    # Offloaded chunks the group spans.
-    n_chunks: int
-    # Index in DevicePointers.ptrs of the group's first op.
-    dev_ptr_offset: int
-
-
-@dataclass(eq=False)
-class FilePlan:
-    """File-tier ops of one transfer (SPEC 11): one file per (group, chunk).
-
-    Op i moves ``sizes[i]`` bytes between device pointer ``dev_ptrs[i]`` and
-    byte ``file_offsets[i]`` of its file: a cuFile/kvikio ``pread``/``pwrite``
-    (buffer, size, file offset), or one entry of ``cuFileBatchIOSubmit``.
-    """
-
-    # Device (or host) pointer of each op (uint64), ordered file -> ref -> block.
-    dev_ptrs: npt.NDArray[np.uint64]
-    # Byte offset of each op inside its file (uint64).
-    file_offsets: npt.NDArray[np.uint64]
-    # Bytes of each op (uint64): a page, or several when coalesced.
-    sizes: npt.NDArray[np.uint64]
-    # One entry per file plus one (int64): file f's ops are
-    # file_starts[f]:file_starts[f + 1]. Files are numbered by (non-empty
-    # group, chunk), the order of the offload keys.
-    file_starts: npt.NDArray[np.int64]
-    # KV-cache group of each file (int64).
-    file_groups: npt.NDArray[np.int64]
-    # Bytes of each file's full layout, bpc * sum of its group's pages (int64);
-    # a partial chunk leaves some of them unwritten.
-    file_bytes: npt.NDArray[np.int64]
-    # Bytes the whole transfer moves: the sum of sizes.
-    num_bytes: int
-
-    @property
-    def num_files(self) -> int:
-        """The number of files (len(file_starts) - 1)."""
-        return len(self.file_starts) - 1

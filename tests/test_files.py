@@ -407,7 +407,7 @@ def test_table_plan_file_too_large() -> None:
 def test_bench_peer_builds_the_same_ops(preset: str) -> None:
     """The PR worker's op building that `ptrres bench --operation files` times
     builds exactly plan_file_ops' ops, file by file."""
-    from ptrres._bench import PRESETS, bench_cell, make_spec, pr_worker_file_ops
+    from ptrres.bench import PRESETS, bench_cell, make_spec, pr_worker_file_ops
 
     layout = PRESETS[preset]
     spec = make_spec(layout, 6, block_index=3)

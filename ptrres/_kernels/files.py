@@ -1,8 +1,10 @@
-"""The file-tier kernels: device pointers to (file, offset) ops (SPEC 11).
+"""The file-tier kernel: device pointers to (file, offset) ops (SPEC 11).
 
-One file holds one chunk of one group. The kernels write each file's ops,
-ordered ref -> block, and where each file's ops start; they return the number
-of ops written or a negative status, as the kernels of ``_kernels`` do.
+One file holds one chunk of one group. plan_file_ops_kernel writes each
+file's ops, ordered ref -> block, and where each file's ops start; it returns
+the number of ops written or a negative status, as every kernel does.
+PointerTable.plan_file_ops resolves into scratch with resolve_kernel first,
+then calls this one: one kernel signature fewer to compile at start-up.
 """
 
 from __future__ import annotations
@@ -10,23 +12,20 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from ._config import inline_helper, kernel
-from ._kernels import (
-    BAD_BLOCK_ID,
-    BASE_PTR,
-    NUM_BLOCKS,
+from .._config import inline_helper, kernel
+from .coalesce import continues
+from .common import (
     ONE,
     OVERLAPPING_BUFFERS,
-    PAGE_SIZE,
-    ROW_STRIDE,
     ZERO,
-    continues,
-    id_range,
+    IntArray,
+    UIntArray,
+    chunk_slot,
+    overlaps,
 )
 
-# Statuses beyond those of _kernels: an op whose size is not its ref's page
+# Statuses beyond those of common: an op whose size is not its ref's page
 # (the other ops of that ref in that group), and a file whose layout would
 # not fit in int64 bytes.
 BAD_OP_SIZE = np.int64(-4)
@@ -34,9 +33,6 @@ FILE_TOO_LARGE = np.int64(-5)
 
 # Rows of the per-group array of plan_file_ops_kernel.
 GROUP_IDX, GROUP_SIZE, GROUP_REFS, GROUP_SKIP = 0, 1, 2, 3
-
-IntArray = npt.NDArray[Any]
-UIntArray = npt.NDArray[np.uint64]
 
 _OUTPUTS = "uint64[::1], uint64[::1], uint64[::1], int64[::1], int64[::1], int64[::1]"
 
@@ -46,23 +42,20 @@ def file_ops_overlap(
     dev_out: UIntArray,
     off_out: UIntArray,
     size_out: UIntArray,
-    in_a: IntArray,
-    in_b: IntArray,
+    ptrs: UIntArray,
+    sizes: UIntArray,
 ) -> bool:
-    """Whether the three op outputs share a byte with each other or an input."""
-    if dev_out.size == 0:
-        return False
-    p0, o0, z0 = dev_out.ctypes.data, off_out.ctypes.data, size_out.ctypes.data
-    p1, o1 = p0 + np.uint64(dev_out.nbytes), o0 + np.uint64(off_out.nbytes)
-    z1 = z0 + np.uint64(size_out.nbytes)
-    a0, b0 = in_a.ctypes.data, in_b.ctypes.data
-    a1, b1 = a0 + np.uint64(in_a.nbytes), b0 + np.uint64(in_b.nbytes)
+    """Whether the three op outputs share a byte with each other or an input.
+
+    The per-file outputs are the wrapper's own, fresh arrays: only the ops
+    can be a caller's buffers. `|`, not `or`: one branch on the result.
+    """
     return bool(
-        (p0 < o1) & (o0 < p1) | (p0 < z1) & (z0 < p1) | (o0 < z1) & (z0 < o1)
-        | (a0 < a1) & ((p0 < a1) & (a0 < p1) | (o0 < a1) & (a0 < o1)
-                       | (z0 < a1) & (a0 < z1))
-        | (b0 < b1) & ((p0 < b1) & (b0 < p1) | (o0 < b1) & (b0 < o1)
-                       | (z0 < b1) & (b0 < z1))
+        overlaps(dev_out, off_out) | overlaps(dev_out, size_out)
+        | overlaps(off_out, size_out) | overlaps(dev_out, ptrs)
+        | overlaps(off_out, ptrs) | overlaps(size_out, ptrs)
+        | overlaps(dev_out, sizes) | overlaps(off_out, sizes)
+        | overlaps(size_out, sizes)
     )  # fmt: skip
 
 
@@ -113,11 +106,12 @@ def group_files(
         chunk_start = np.uint64(chunk) * bpc
         first_k = chunk_start - min(chunk_start, np.uint64(skip))
         end_k = min(np.uint64(n_blocks), chunk_start + bpc - np.uint64(skip))
+        _, first_slot = chunk_slot(first_k, np.uint64(skip), bpc)
         before = ZERO
         for d in range(n_refs):
             page = pages[d]
             ref_ops = np.uint64(first_op) + np.uint64(d) * np.uint64(n_blocks)
-            slot = np.uint64(skip) + first_k - chunk_start
+            slot = first_slot
             if block_major:
                 offset, step = slot * total + before, total
             else:
@@ -133,9 +127,12 @@ def group_files(
             else:
                 for k in range(first_k, end_k):
                     dev_ptr = ptrs[ref_ops + k]
+                    # The run so far: the file's last op, if the file has one.
                     if written > np.uint64(file_starts[n_files - 1]) and continues(
-                        dev_out[written - ONE], off_out[written - ONE],
-                        size_out[written - ONE], dev_ptr, offset, page, cap,
+                        (dev_out[written - ONE], off_out[written - ONE],
+                         size_out[written - ONE]),
+                        (dev_ptr, offset, page),
+                        cap,
                     ):  # fmt: skip
                         size_out[written - ONE] += page
                     else:
@@ -237,93 +234,5 @@ def plan_file_ops_kernel(
             size_out, written, file_starts, file_groups, file_bytes, n_files,
         )  # fmt: skip
         op += n_blocks * n_refs
-    file_starts[n_files] = np.int64(written)
-    return np.int64(written)
-
-
-@kernel(
-    "int64(int64[:, ::1], int64[::1], int64[::1], int64[:, ::1], int64, boolean,"
-    f" boolean, int64, {_OUTPUTS})"
-)
-def table_file_ops_kernel(
-    ref_table: IntArray,
-    group_ref_start: IntArray,
-    block_ids: IntArray,
-    groups: IntArray,
-    blocks_per_chunk: int,
-    block_major: bool,
-    merge: bool,
-    max_run_bytes: int,
-    dev_out: UIntArray,
-    off_out: UIntArray,
-    size_out: UIntArray,
-    file_starts: IntArray,
-    file_groups: IntArray,
-    file_bytes: IntArray,
-) -> int:
-    """The file ops of a spec's block ids, resolved against a PointerTable.
-
-    Args:
-        ref_table, group_ref_start, block_ids: as _kernels.resolve_kernel.
-        groups: (2, n_groups): each group's size, then its block index.
-        the others: as plan_file_ops_kernel.
-
-    Returns:
-        The number of ops written, BAD_BLOCK_ID, FILE_TOO_LARGE or
-        OVERLAPPING_BUFFERS. Nothing is written unless every check passes.
-    """
-    if file_ops_overlap(dev_out, off_out, size_out, block_ids, block_ids):
-        return OVERLAPPING_BUFFERS
-    bpc = np.uint64(blocks_per_chunk)
-    cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
-    group_sizes, block_indices = groups[0], groups[1]
-    n_groups = group_sizes.shape[0]
-    # Check first: every id in range of each of its group's refs, files fit.
-    max_group_ops = 0
-    max_refs = 0
-    first_id = 0
-    for g in range(n_groups):
-        n_blocks = group_sizes[g]
-        first_ref, end_ref = group_ref_start[g], group_ref_start[g + 1]
-        max_refs = max(max_refs, end_ref - first_ref)
-        if n_blocks == 0:
-            continue
-        lowest, highest = id_range(block_ids[first_id : first_id + n_blocks])
-        first_id += n_blocks
-        for ref in range(first_ref, end_ref):
-            if lowest < 0 or highest >= ref_table[ref, NUM_BLOCKS]:
-                return BAD_BLOCK_ID
-        max_group_ops = max(max_group_ops, n_blocks * (end_ref - first_ref))
-    pages = np.empty(max_refs, np.uint64)
-    for g in range(n_groups):
-        first_ref, end_ref = group_ref_start[g], group_ref_start[g + 1]
-        for ref in range(first_ref, end_ref):
-            pages[ref - first_ref] = np.uint64(ref_table[ref, PAGE_SIZE])
-        if group_sizes[g] and not pages_fit(pages, end_ref - first_ref, bpc):
-            return FILE_TOO_LARGE
-    # Each group's pointers are resolved into `ptrs`, then laid out in files.
-    ptrs = np.empty(max_group_ops, np.uint64)
-    written = ZERO
-    n_files = 0
-    first_id = 0
-    for g in range(n_groups):
-        n_blocks = group_sizes[g]
-        if n_blocks == 0:
-            continue
-        first_ref, end_ref = group_ref_start[g], group_ref_start[g + 1]
-        for ref in range(first_ref, end_ref):
-            base_ptr = ref_table[ref, BASE_PTR]
-            row_stride = ref_table[ref, ROW_STRIDE]
-            first_op = (ref - first_ref) * n_blocks
-            for k in range(n_blocks):
-                ptrs[first_op + k] = base_ptr + block_ids[first_id + k] * row_stride
-            pages[ref - first_ref] = np.uint64(ref_table[ref, PAGE_SIZE])
-        written, n_files = group_files(
-            ptrs, 0, n_blocks, pages, end_ref - first_ref,
-            block_indices[g] % blocks_per_chunk, bpc, block_major, merge, cap, g,
-            dev_out, off_out, size_out, written, file_starts, file_groups,
-            file_bytes, n_files,
-        )  # fmt: skip
-        first_id += n_blocks
     file_starts[n_files] = np.int64(written)
     return np.int64(written)
