@@ -17,7 +17,6 @@ from . import _kernels
 from ._args import (
     DEVICE_POINTERS_FIELDS,
     SPEC_FIELDS,
-    UINT64,
     as_int,
     block_ids_arg,
     descriptor_array,
@@ -27,6 +26,7 @@ from ._args import (
 )
 from ._diagnose import file_plan_error, overlap_error, resolve_error
 from ._errors import InputTypeError, SpecError
+from ._kernels.files import FILE_BYTES, FILE_GROUP, FILE_START
 from ._pointer_utils import iter_pointer_groups
 from ._results import DevicePointers, FilePlan
 
@@ -187,12 +187,10 @@ def _run(
         size_out = np.empty(n_ops, np.uint64)
     else:
         dev_out, off_out, size_out = outputs
-    file_starts = np.empty(n_files + 1, np.int64)
-    file_groups = np.empty(n_files, np.int64)
-    file_bytes = np.empty(n_files + 1, np.int64)  # the last: num_bytes
+    files = np.empty((3, n_files + 1), np.int64)
     written = _kernels.plan_file_ops_kernel(
         ptrs, sizes, groups, bpc, block_major, merge, cap,
-        dev_out, off_out, size_out, file_starts, file_groups, file_bytes,
+        dev_out, off_out, size_out, files,
     )  # fmt: skip
     if written < 0:
         if written == _kernels.OVERLAPPING_BUFFERS:
@@ -204,9 +202,11 @@ def _run(
             off_out[:written],
             size_out[:written],
         )
+    num_bytes = files.item(FILE_BYTES, n_files)  # the sum of sizes, int64 bits
     return FilePlan(
-        dev_out, off_out, size_out, file_starts, file_groups, file_bytes[:n_files],
-        int(file_bytes[n_files:].view(UINT64)[0]),
+        dev_out, off_out, size_out, files[FILE_START],
+        files[FILE_GROUP, :n_files], files[FILE_BYTES, :n_files],
+        num_bytes if num_bytes >= 0 else num_bytes + 2**64,
     )  # fmt: skip
 
 
@@ -265,9 +265,7 @@ _INT_ONLY = {int}
 def _all_ints(key: tuple[Any, ...]) -> bool:
     """Whether the three count tuples of a cache key hold Python ints only."""
     counts_a, counts_b, counts_c, _ = key
-    types = set(map(type, counts_a))
-    types.update(map(type, counts_b), map(type, counts_c))
-    return types <= _INT_ONLY
+    return _INT_ONLY.issuperset(map(type, counts_a + counts_b + counts_c))
 
 
 def _options(

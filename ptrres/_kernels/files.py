@@ -34,7 +34,12 @@ FILE_TOO_LARGE = np.int64(-5)
 # Rows of the per-group array of plan_file_ops_kernel.
 GROUP_IDX, GROUP_SIZE, GROUP_REFS, GROUP_SKIP = 0, 1, 2, 3
 
-_OUTPUTS = "uint64[::1], uint64[::1], uint64[::1], int64[::1], int64[::1], int64[::1]"
+# Rows of its per-file output, one entry per file plus one: where each file's
+# ops start (the last entry: the number of ops), each file's group (the last
+# entry unused) and each file's bytes (the last entry: the plan's num_bytes,
+# as uint64 bits). One array, not three: one allocation and two arguments
+# fewer on every call.
+FILE_START, FILE_GROUP, FILE_BYTES = 0, 1, 2
 
 
 @inline_helper
@@ -76,12 +81,14 @@ def group_files(
     off_out: UIntArray,
     size_out: UIntArray,
     written: np.uint64,
-    file_starts: IntArray,
-    file_groups: IntArray,
-    file_bytes: IntArray,
+    files: IntArray,
     n_files: int,
 ) -> Any:
     """Append the files of one group: one per chunk, ops ordered ref -> block.
+
+    Files are written in order, each file's ops in order: with ``merge``, op
+    i + 1 is merged into op i when it continues it on both sides (within
+    max_run_bytes ``cap``), inside one file only.
 
     Args:
         ptrs: device pointers; those of ref d of this group are
@@ -98,9 +105,10 @@ def group_files(
         total += pages[d]
     n_chunks = (np.uint64(n_blocks) + np.uint64(skip) + bpc - ONE) // bpc
     for chunk in range(n_chunks):
-        file_starts[n_files] = np.int64(written)
-        file_groups[n_files] = group
-        file_bytes[n_files] = np.int64(bpc * total)
+        file_start = written
+        files[FILE_START, n_files] = np.int64(written)
+        files[FILE_GROUP, n_files] = group
+        files[FILE_BYTES, n_files] = np.int64(bpc * total)
         n_files += 1
         # Blocks k of this chunk: slots skip + k - chunk * bpc in [0, bpc).
         chunk_start = np.uint64(chunk) * bpc
@@ -111,11 +119,10 @@ def group_files(
         for d in range(n_refs):
             page = pages[d]
             ref_ops = np.uint64(first_op) + np.uint64(d) * np.uint64(n_blocks)
-            slot = first_slot
             if block_major:
-                offset, step = slot * total + before, total
+                offset, step = first_slot * total + before, total
             else:
-                offset, step = bpc * before + slot * page, page
+                offset, step = bpc * before + first_slot * page, page
             if not merge:
                 # One op per block, branch-free: the loop vectorises.
                 for k in range(first_k, end_k):
@@ -128,7 +135,7 @@ def group_files(
                 for k in range(first_k, end_k):
                     dev_ptr = ptrs[ref_ops + k]
                     # The run so far: the file's last op, if the file has one.
-                    if written > np.uint64(file_starts[n_files - 1]) and continues(
+                    if written > file_start and continues(
                         (dev_out[written - ONE], off_out[written - ONE],
                          size_out[written - ONE]),
                         (dev_ptr, offset, page),
@@ -159,7 +166,7 @@ def pages_fit(pages: UIntArray, n_refs: int, bpc: np.uint64) -> bool:
 
 @kernel(
     "int64(uint64[::1], uint64[::1], int64[:, ::1], int64, boolean, boolean, int64,"
-    f" {_OUTPUTS})"
+    " uint64[::1], uint64[::1], uint64[::1], int64[:, ::1])"
 )
 def plan_file_ops_kernel(
     ptrs: UIntArray,
@@ -172,9 +179,7 @@ def plan_file_ops_kernel(
     dev_out: UIntArray,
     off_out: UIntArray,
     size_out: UIntArray,
-    file_starts: IntArray,
-    file_groups: IntArray,
-    file_bytes: IntArray,
+    files: IntArray,
 ) -> int:
     """The file ops of resolved device pointers (SPEC 11).
 
@@ -188,9 +193,9 @@ def plan_file_ops_kernel(
             one file only.
         max_run_bytes: the largest merged op (>= 1), or NO_CAP.
         dev_out, off_out, size_out: the ops, at least as long as ``ptrs``.
-        file_starts: one entry per file plus one; file_groups: one entry
-            per file; file_bytes: one entry per file plus one, the last
-            getting the sum of ``sizes`` (as uint64 bits), the plan's num_bytes.
+        files: (3, n_files + 1), the rows FILE_START, FILE_GROUP and
+            FILE_BYTES (see there). The wrapper's own: it shares no memory
+            with the caller's arrays.
 
     Returns:
         The number of ops written, BAD_OP_SIZE, FILE_TOO_LARGE or
@@ -220,7 +225,7 @@ def plan_file_ops_kernel(
             op += n_blocks
         if not pages_fit(pages, n_refs, bpc):
             return FILE_TOO_LARGE
-    file_bytes[file_bytes.shape[0] - 1] = np.int64(num_bytes)
+    files[FILE_BYTES, files.shape[1] - 1] = np.int64(num_bytes)
     written = ZERO
     n_files = 0
     op = 0
@@ -231,8 +236,8 @@ def plan_file_ops_kernel(
         written, n_files = group_files(
             ptrs, op, n_blocks, pages, n_refs, groups[GROUP_SKIP, g], bpc,
             block_major, merge, cap, groups[GROUP_IDX, g], dev_out, off_out,
-            size_out, written, file_starts, file_groups, file_bytes, n_files,
+            size_out, written, files, n_files,
         )  # fmt: skip
         op += n_blocks * n_refs
-    file_starts[n_files] = np.int64(written)
+    files[FILE_START, n_files] = np.int64(written)
     return np.int64(written)
