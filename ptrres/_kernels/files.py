@@ -217,9 +217,13 @@ def plan_file_ops_kernel(
         n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
         for d in range(n_refs):
             page = sizes[op]
+            # The bits where any size differs from the page: no branch in
+            # the loop, so that it vectorises.
+            differs = ZERO
             for k in range(op, op + n_blocks):
-                if sizes[k] != page:
-                    return BAD_OP_SIZE
+                differs |= sizes[k] ^ page
+            if differs:
+                return BAD_OP_SIZE
             pages[d] = page
             num_bytes += page * np.uint64(n_blocks)
             op += n_blocks
