@@ -266,6 +266,7 @@ class PointerTable:
             BlockIdError: a block id is outside its tensor (nothing is written).
             SpecError, InputTypeError, OutBufferError: malformed input.
         """
+        # Imported here: _files imports _pointer_utils, which imports this module.
         from ._files import plan_table_file_ops
 
         return plan_table_file_ops(
