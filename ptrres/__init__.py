@@ -14,13 +14,20 @@ from ._errors import (
     PtrresError,
     SpecError,
 )
+from ._files import plan_file_ops
 from ._offloaded import OffloadedLayout
 from ._pointer_utils import (
     clear_table_cache,
     iter_pointer_groups,
     resolve_device_pointers,
 )
-from ._results import DevicePointerGroupInfo, DevicePointers, TransferPlan
+from ._posix import read_files, write_files
+from ._results import (
+    DevicePointerGroupInfo,
+    DevicePointers,
+    FilePlan,
+    TransferPlan,
+)
 from ._table import PointerTable
 from ._types import (
     CanonicalKVCacheRef,
@@ -41,6 +48,7 @@ __all__ = [
     "DevicePointerError",
     "DevicePointerGroupInfo",
     "DevicePointers",
+    "FilePlan",
     "GPULoadStoreSpec",
     "InputTypeError",
     "LayoutError",
@@ -55,6 +63,9 @@ __all__ = [
     "clear_table_cache",
     "coalesce",
     "iter_pointer_groups",
+    "plan_file_ops",
+    "read_files",
     "resolve_device_pointers",
     "warmup",
+    "write_files",
 ]

@@ -17,6 +17,7 @@ import numpy as np
 
 from .bench import (
     BENCH_BLOCKS_PER_CHUNK,
+    DEFAULT_OPERATIONS,
     OPERATIONS,
     PRESETS,
     BenchRow,
@@ -66,7 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--operation",
         action="append",
         choices=OPERATIONS,
-        help="an operation to time (repeatable; default: all)",
+        help=(
+            "an operation to time (repeatable; default: resolve, plan, "
+            "coalesce); files times plan_file_ops against vLLM PR #56076's "
+            "Python op building"
+        ),
     )
     bench.add_argument(
         "--quick", action="store_true", help="two layouts, short timings (~10 s)"
@@ -119,7 +124,7 @@ def _bench(args: argparse.Namespace) -> int:
         _require_matplotlib()
     presets = args.preset or list(QUICK_PRESETS if args.quick else PRESETS)
     blocks = sorted(set(args.blocks or DEFAULT_BLOCKS))
-    operations = args.operation or list(OPERATIONS)
+    operations = args.operation or list(DEFAULT_OPERATIONS)
     seconds = QUICK_CELL_SECONDS if args.quick else CELL_SECONDS
     warmup()
 

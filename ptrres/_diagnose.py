@@ -15,9 +15,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import BlockIdError, DevicePointerError, OffloadedIdError, OutBufferError
+from ._errors import (
+    BlockIdError,
+    DevicePointerError,
+    OffloadedIdError,
+    OutBufferError,
+    SpecError,
+)
 from ._geometry import RefRow, num_chunks
 from ._offloaded import OffloadedLayout
+from ._results import DevicePointerGroupInfo
 
 # The refs of each group, resolved against their tensors (PointerTable's).
 Groups = Sequence[Sequence[RefRow]]
@@ -167,6 +174,37 @@ def pointer_error(
         position=position,
         value=value,
     )
+
+
+def file_plan_error(
+    infos: Sequence[DevicePointerGroupInfo],
+    sizes: npt.NDArray[np.uint64],
+    blocks_per_chunk: int,
+) -> SpecError:
+    """The error of a failed file plan (SPEC 11), in the reference's order: an
+    op whose size is not its ref's page, else a file beyond 2**63 - 1 bytes."""
+    for info in infos:
+        pages = []
+        for d in range(info.n_data_refs):
+            first = info.dev_ptr_offset + d * info.group_size
+            ref_sizes = sizes[first : first + info.group_size]
+            bad = np.flatnonzero(ref_sizes != ref_sizes[0])
+            if len(bad):
+                position = int(bad[0])
+                return SpecError(
+                    f"group {info.group_idx}, ref {d}, position {position}: size "
+                    f"{int(ref_sizes[position])} differs from the ref's first size "
+                    f"{int(ref_sizes[0])}; every op of one ref of one group has "
+                    "the ref's page as its size"
+                )
+            pages.append(int(ref_sizes[0]))
+        if blocks_per_chunk * sum(pages) > 2**63 - 1:
+            return SpecError(
+                f"group {info.group_idx}: a file of blocks_per_chunk * sum(pages) "
+                f"= {blocks_per_chunk} * {sum(pages)} bytes has offsets beyond "
+                "2**63 - 1"
+            )
+    raise _disagreement("an op size or a file size out of range")  # pragma: no cover
 
 
 def _disagreement(what: str) -> RuntimeError:  # pragma: no cover

@@ -2,7 +2,8 @@
 
 DevicePointers is what vLLM's ``resolve_device_pointers`` returns and its
 ``iter_pointer_groups`` walks; TransferPlan holds the arrays a batched copy
-takes (``cuMemcpyBatchAsync``, or vLLM's ``_swap_blocks_batch``), SPEC 1.
+takes (``cuMemcpyBatchAsync``, or vLLM's ``_swap_blocks_batch``), SPEC 1;
+FilePlan holds the (pointer, file offset, size) ops of the file tier, SPEC 11.
 """
 
 from __future__ import annotations
@@ -77,3 +78,43 @@ class DevicePointerGroupInfo(NamedTuple):
     n_chunks: int
     # Index in DevicePointers.ptrs of the group's first op.
     dev_ptr_offset: int
+
+
+@dataclass(eq=False)
+class FilePlan:
+    """File-tier ops of one transfer (SPEC 11): one file per (group, chunk).
+
+    Returned by plan_file_ops() and PointerTable.plan_file_ops(); read by
+    write_files() and read_files(), and by a file-tier worker: op i moves
+    ``sizes[i]`` bytes between device pointer ``dev_ptrs[i]`` and byte
+    ``file_offsets[i]`` of its file, one ``cuFileBatchIOSubmit`` entry, one
+    kvikio ``pread``/``pwrite`` or one pair of NIXL descriptors.
+    """
+
+    # Device (or host) pointer of each op (uint64), ordered file -> ref ->
+    # block: cuFile's devPtr_base + devPtr_offset, kvikio's buffer + offset,
+    # NIXL's memory-side addr.
+    dev_ptrs: npt.NDArray[np.uint64]
+    # Byte offset of each op inside its file (uint64): cuFile's file_offset,
+    # kvikio's file_offset, NIXL's file-side addr.
+    file_offsets: npt.NDArray[np.uint64]
+    # Bytes of each op (uint64), a page or several when coalesced: cuFile's
+    # size, kvikio's size, NIXL's len on both sides.
+    sizes: npt.NDArray[np.uint64]
+    # One entry per file plus one (int64): file f's ops are
+    # file_starts[f]:file_starts[f + 1], all on that file's handle. Files are
+    # numbered by (non-empty group, chunk), the order of the offload keys.
+    file_starts: npt.NDArray[np.int64]
+    # KV-cache group of each file (int64): which offload key names the file.
+    file_groups: npt.NDArray[np.int64]
+    # Bytes of each file's full layout, bpc * sum of its group's pages (int64):
+    # what a worker may preallocate; a partial chunk leaves some unwritten.
+    file_bytes: npt.NDArray[np.int64]
+    # Bytes the whole transfer moves: the sum of sizes (for an engine's
+    # transfer statistics).
+    num_bytes: int
+
+    @property
+    def num_files(self) -> int:
+        """The number of files (len(file_starts) - 1)."""
+        return len(self.file_starts) - 1

@@ -21,7 +21,7 @@ from ._diagnose import overlap_error, resolve_error
 from ._errors import InputTypeError
 from ._geometry import RefRow, offloaded_rows, read_layout
 from ._offloaded import OffloadedLayout
-from ._results import DevicePointers, TransferPlan
+from ._results import DevicePointers, FilePlan, TransferPlan
 
 Buffers = tuple[npt.NDArray[Any], ...]
 _LIST_OR_TUPLE = (list, tuple)
@@ -240,6 +240,43 @@ class PointerTable:
             out=out,
             coalesce=coalesce,
             max_run_bytes=max_run_bytes,
+        )
+
+    def plan_file_ops(
+        self,
+        device_spec: Any,
+        blocks_per_chunk: int,
+        *,
+        layout: str = "ref-major",
+        coalesce: bool = False,
+        max_run_bytes: int | None = None,
+        out: Buffers | None = None,
+    ) -> FilePlan:
+        """Resolve a spec and lay its blocks out in files, in one pass (SPEC 11).
+
+        The result is ``ptrres.plan_file_ops(self.resolve(device_spec), ...)``,
+        with resolve()'s checks: every block id against each ref's tensor.
+
+        Args:
+            device_spec: the device blocks, as for resolve().
+            blocks_per_chunk, layout, coalesce, max_run_bytes, out: as for
+                ptrres.plan_file_ops().
+
+        Raises:
+            BlockIdError: a block id is outside its tensor (nothing is written).
+            SpecError, InputTypeError, OutBufferError: malformed input.
+        """
+        # Imported here: _files imports _pointer_utils, which imports this module.
+        from ._files import plan_table_file_ops
+
+        return plan_table_file_ops(
+            self,
+            device_spec,
+            blocks_per_chunk,
+            layout=layout,
+            coalesce=coalesce,
+            max_run_bytes=max_run_bytes,
+            out=out,
         )
 
     def _offloaded_refs(self, offloaded: OffloadedLayout) -> npt.NDArray[np.int64]:

@@ -346,8 +346,45 @@ def vllm_style_plan(
     return src, dst, sizes
 
 
-# The operations `ptrres bench` times, each against its numpy reference.
-OPERATIONS = ("resolve", "plan", "coalesce")
+def pr_worker_file_ops(
+    device_ptrs: Any, blocks_per_chunk: int
+) -> list[list[tuple[int, int, int]]]:
+    """vLLM PR #56076's FSOffloadingWorker op building, in plain Python.
+
+    Walk iter_pointer_groups and build, per file (one per group and chunk),
+    a list of (dev_ptr, size, file_offset) in the ref-major layout, as the
+    PR's worker does; with its pitfalls fixed (skips, per-ref pages), so that
+    it builds the ops plan_file_ops does. Pointers are read as Python lists
+    once per group, the fastest way to walk them from Python.
+    """
+    from ._pointer_utils import iter_pointer_groups
+
+    bpc = blocks_per_chunk
+    files = []
+    for info in iter_pointer_groups(device_ptrs, bpc):
+        n = info.group_size
+        first = info.dev_ptr_offset
+        ptrs = device_ptrs.ptrs[first : first + n * info.n_data_refs].tolist()
+        pages = [int(device_ptrs.sizes[first + d * n]) for d in range(info.n_data_refs)]
+        for chunk in range(info.n_chunks):
+            ops = []
+            first_k = max(0, chunk * bpc - info.skip)
+            end_k = min(n, (chunk + 1) * bpc - info.skip)
+            before = 0
+            for d, page in enumerate(pages):
+                for k in range(first_k, end_k):
+                    slot = info.skip + k - chunk * bpc
+                    ops.append((ptrs[d * n + k], page, bpc * before + slot * page))
+                before += page
+            files.append(ops)
+    return files
+
+
+# The operations `ptrres bench` times, each against its numpy reference (the
+# file tier against the PR worker's op building), and those it times unless
+# told which.
+OPERATIONS = ("resolve", "plan", "coalesce", "files")
+DEFAULT_OPERATIONS = OPERATIONS[:3]
 BENCH_BLOCKS_PER_CHUNK = 4
 
 
@@ -392,6 +429,7 @@ def bench_cell(
     """
     from . import reference
     from ._coalesce import coalesce
+    from ._files import plan_file_ops
     from ._offloaded import OffloadedLayout
     from ._table import PointerTable
 
@@ -440,6 +478,14 @@ def bench_cell(
         }
         n_outputs = 3
         descriptors = len(coalesce(plan.src, plan.dst, plan.sizes).sizes)
+    elif operation == "files":
+        device_ptrs = table.resolve(spec)
+        contenders = {
+            "reference": lambda: pr_worker_file_ops(device_ptrs, bpc),
+            "ptrres": lambda: plan_file_ops(device_ptrs, bpc, out=out),
+        }
+        n_outputs = 3
+        descriptors = n_ops
     else:
         raise ValueError(f"unknown operation {operation!r}; one of {OPERATIONS}")
     if with_fill:

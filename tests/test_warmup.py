@@ -44,6 +44,8 @@ def exercise_every_kernel(id_dtype: type, dtype: torch.dtype = torch.int8) -> No
         ptrres.coalesce(*out, max_run_bytes=64)
     device_ptrs = ptrres.resolve_device_pointers(spec, kv)
     table.plan_from_device_pointers(device_ptrs, offloaded, [2], store=True)
+    ptrres.plan_file_ops(device_ptrs, 2, coalesce=True)
+    table.plan_file_ops(spec, 2, layout="block-major")
 
 
 def test_warmup_reports_every_kernel_signature() -> None:
@@ -55,6 +57,7 @@ def test_warmup_reports_every_kernel_signature() -> None:
         "plan_kernel",
         "coalesce_kernel",
         "block_ids_from_pointers",
+        "plan_file_ops_kernel",
     }
     hows = {k.how for k in report.kernels}
     if JIT_DISABLED:

@@ -9,8 +9,9 @@ anything is written). What a failed call wrote is never returned: the wrapper
 zeroes it. Scratch space, too, is allocated by the wrapper and passed in.
 
 One module per family: common (columns, statuses, shared helpers), resolve,
-plan and coalesce. The wrappers call the kernels through this package (as
-``_kernels.resolve_kernel``), so that a benchmark may swap one in.
+plan, coalesce and files (the file tier). The wrappers call the kernels
+through this package (as ``_kernels.resolve_kernel``), so that a benchmark
+may swap one in.
 
 Numba's on-disk cache of a kernel is invalidated by a change to the kernel's
 own file only: after editing a helper in common.py or coalesce.py, delete
@@ -27,18 +28,22 @@ from .common import (
     OVERLAPPING_BUFFERS,
     REF_COLUMNS,
 )
+from .files import BAD_OP_SIZE, FILE_TOO_LARGE, plan_file_ops_kernel
 from .plan import plan_kernel
 from .resolve import block_ids_from_pointers, resolve_kernel
 
 __all__ = [
     "BAD_BLOCK_ID",
     "BAD_OFFLOADED_ID",
+    "BAD_OP_SIZE",
+    "FILE_TOO_LARGE",
     "NO_CAP",
     "OFF_COLUMNS",
     "OVERLAPPING_BUFFERS",
     "REF_COLUMNS",
     "block_ids_from_pointers",
     "coalesce_kernel",
+    "plan_file_ops_kernel",
     "plan_kernel",
     "resolve_kernel",
 ]

@@ -1,0 +1,247 @@
+"""The file-tier kernel: device pointers to (file, offset) ops (SPEC 11).
+
+One file holds one chunk of one group. plan_file_ops_kernel writes each
+file's ops, ordered ref -> block, and where each file's ops start; it returns
+the number of ops written or a negative status, as every kernel does.
+PointerTable.plan_file_ops resolves into scratch with resolve_kernel first,
+then calls this one: one kernel signature fewer to compile at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._config import inline_helper, kernel
+from .coalesce import continues
+from .common import (
+    ONE,
+    OVERLAPPING_BUFFERS,
+    ZERO,
+    IntArray,
+    UIntArray,
+    chunk_slot,
+    overlaps,
+)
+
+# Statuses beyond those of common: an op whose size is not its ref's page
+# (the other ops of that ref in that group), and a file whose layout would
+# not fit in int64 bytes.
+BAD_OP_SIZE = np.int64(-4)
+FILE_TOO_LARGE = np.int64(-5)
+
+# Rows of the per-group array of plan_file_ops_kernel.
+GROUP_IDX, GROUP_SIZE, GROUP_REFS, GROUP_SKIP = 0, 1, 2, 3
+
+# Rows of its per-file output, one entry per file plus one: where each file's
+# ops start (the last entry: the number of ops), each file's group (the last
+# entry unused) and each file's bytes (the last entry: the plan's num_bytes,
+# as uint64 bits). One array, not three: one allocation and two arguments
+# fewer on every call.
+FILE_START, FILE_GROUP, FILE_BYTES = 0, 1, 2
+
+
+@inline_helper
+def file_ops_overlap(
+    dev_out: UIntArray,
+    off_out: UIntArray,
+    size_out: UIntArray,
+    ptrs: UIntArray,
+    sizes: UIntArray,
+) -> bool:
+    """Whether the three op outputs share a byte with each other or an input.
+
+    The per-file outputs are the wrapper's own, fresh arrays: only the ops
+    can be a caller's buffers. `|`, not `or`: one branch on the result.
+    """
+    return bool(
+        overlaps(dev_out, off_out) | overlaps(dev_out, size_out)
+        | overlaps(off_out, size_out) | overlaps(dev_out, ptrs)
+        | overlaps(off_out, ptrs) | overlaps(size_out, ptrs)
+        | overlaps(dev_out, sizes) | overlaps(off_out, sizes)
+        | overlaps(size_out, sizes)
+    )  # fmt: skip
+
+
+@inline_helper
+def group_files(
+    ptrs: UIntArray,
+    first_op: int,
+    n_blocks: int,
+    pages: UIntArray,
+    n_refs: int,
+    skip: int,
+    bpc: np.uint64,
+    block_major: bool,
+    merge: bool,
+    cap: np.uint64,
+    group: int,
+    dev_out: UIntArray,
+    off_out: UIntArray,
+    size_out: UIntArray,
+    written: np.uint64,
+    files: IntArray,
+    n_files: int,
+) -> Any:
+    """Append the files of one group: one per chunk, ops ordered ref -> block.
+
+    Files are written in order, each file's ops in order: with ``merge``, op
+    i + 1 is merged into op i when it continues it on both sides (within
+    max_run_bytes ``cap``), inside one file only.
+
+    Args:
+        ptrs: device pointers; those of ref d of this group are
+            ``ptrs[first_op + d * n_blocks:][:n_blocks]``.
+        pages: the page of each of the group's refs (first n_refs entries),
+            checked so that ``bpc * sum(pages)`` fits in int64.
+        skip: slot of the group's first block in its first chunk.
+
+    Returns:
+        The new number of ops and of files.
+    """
+    total = ZERO
+    for d in range(n_refs):
+        total += pages[d]
+    n_chunks = (np.uint64(n_blocks) + np.uint64(skip) + bpc - ONE) // bpc
+    for chunk in range(n_chunks):
+        file_start = written
+        files[FILE_START, n_files] = np.int64(written)
+        files[FILE_GROUP, n_files] = group
+        files[FILE_BYTES, n_files] = np.int64(bpc * total)
+        n_files += 1
+        # Blocks k of this chunk: slots skip + k - chunk * bpc in [0, bpc).
+        chunk_start = np.uint64(chunk) * bpc
+        first_k = chunk_start - min(chunk_start, np.uint64(skip))
+        end_k = min(np.uint64(n_blocks), chunk_start + bpc - np.uint64(skip))
+        _, first_slot = chunk_slot(first_k, np.uint64(skip), bpc)
+        before = ZERO
+        for d in range(n_refs):
+            page = pages[d]
+            ref_ops = np.uint64(first_op) + np.uint64(d) * np.uint64(n_blocks)
+            if block_major:
+                offset, step = first_slot * total + before, total
+            else:
+                offset, step = bpc * before + first_slot * page, page
+            if not merge:
+                # One op per block, branch-free: the loop vectorises.
+                for k in range(first_k, end_k):
+                    dev_out[written] = ptrs[ref_ops + k]
+                    off_out[written] = offset
+                    size_out[written] = page
+                    offset += step
+                    written += ONE
+            else:
+                for k in range(first_k, end_k):
+                    dev_ptr = ptrs[ref_ops + k]
+                    # The run so far: the file's last op, if the file has one.
+                    if written > file_start and continues(
+                        (dev_out[written - ONE], off_out[written - ONE],
+                         size_out[written - ONE]),
+                        (dev_ptr, offset, page),
+                        cap,
+                    ):  # fmt: skip
+                        size_out[written - ONE] += page
+                    else:
+                        dev_out[written] = dev_ptr
+                        off_out[written] = offset
+                        size_out[written] = page
+                        written += ONE
+                    offset += step
+            before += page
+    return written, n_files
+
+
+@inline_helper
+def pages_fit(pages: UIntArray, n_refs: int, bpc: np.uint64) -> bool:
+    """Whether a file of bpc * sum(pages) bytes has every offset in int64."""
+    limit = np.uint64(2**63 - 1) // bpc
+    total = ZERO
+    for d in range(n_refs):
+        if pages[d] > limit - total:
+            return False
+        total += pages[d]
+    return True
+
+
+@kernel(
+    "int64(uint64[::1], uint64[::1], int64[:, ::1], int64, boolean, boolean, int64,"
+    " uint64[::1], uint64[::1], uint64[::1], int64[:, ::1])"
+)
+def plan_file_ops_kernel(
+    ptrs: UIntArray,
+    sizes: UIntArray,
+    groups: IntArray,
+    blocks_per_chunk: int,
+    block_major: bool,
+    merge: bool,
+    max_run_bytes: int,
+    dev_out: UIntArray,
+    off_out: UIntArray,
+    size_out: UIntArray,
+    files: IntArray,
+) -> int:
+    """The file ops of resolved device pointers (SPEC 11).
+
+    Args:
+        ptrs, sizes: DevicePointers' arrays, ordered group -> ref -> block.
+        groups: (4, n) for the n non-empty groups: GROUP_IDX, GROUP_SIZE,
+            GROUP_REFS and GROUP_SKIP (block index % blocks_per_chunk).
+        blocks_per_chunk: slots per file (>= 1).
+        block_major: llm-d's layout if True, else PR #56076's ref-major one.
+        merge: coalesce ops that continue each other on both sides, inside
+            one file only.
+        max_run_bytes: the largest merged op (>= 1), or NO_CAP.
+        dev_out, off_out, size_out: the ops, at least as long as ``ptrs``.
+        files: (3, n_files + 1), the rows FILE_START, FILE_GROUP and
+            FILE_BYTES (see there). The wrapper's own: it shares no memory
+            with the caller's arrays.
+
+    Returns:
+        The number of ops written, BAD_OP_SIZE, FILE_TOO_LARGE or
+        OVERLAPPING_BUFFERS. Nothing is written unless every check passes.
+    """
+    if file_ops_overlap(dev_out, off_out, size_out, ptrs, sizes):
+        return OVERLAPPING_BUFFERS
+    bpc = np.uint64(blocks_per_chunk)
+    cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
+    n_groups = groups.shape[1]
+    max_refs = 0
+    for g in range(n_groups):
+        max_refs = max(max_refs, groups[GROUP_REFS, g])
+    pages = np.empty(max_refs, np.uint64)
+    # Check first: every op of a ref has the ref's page, and files fit.
+    op = 0
+    num_bytes = ZERO
+    for g in range(n_groups):
+        n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
+        for d in range(n_refs):
+            page = sizes[op]
+            # The bits where any size differs from the page: no branch in
+            # the loop, so that it vectorises.
+            differs = ZERO
+            for k in range(op, op + n_blocks):
+                differs |= sizes[k] ^ page
+            if differs:
+                return BAD_OP_SIZE
+            pages[d] = page
+            num_bytes += page * np.uint64(n_blocks)
+            op += n_blocks
+        if not pages_fit(pages, n_refs, bpc):
+            return FILE_TOO_LARGE
+    files[FILE_BYTES, files.shape[1] - 1] = np.int64(num_bytes)
+    written = ZERO
+    n_files = 0
+    op = 0
+    for g in range(n_groups):
+        n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
+        for d in range(n_refs):
+            pages[d] = sizes[op + d * n_blocks]
+        written, n_files = group_files(
+            ptrs, op, n_blocks, pages, n_refs, groups[GROUP_SKIP, g], bpc,
+            block_major, merge, cap, groups[GROUP_IDX, g], dev_out, off_out,
+            size_out, written, files, n_files,
+        )  # fmt: skip
+        op += n_blocks * n_refs
+    files[FILE_START, n_files] = np.int64(written)
+    return np.int64(written)
