@@ -67,6 +67,50 @@ class CanonicalKVCacheTensor:
     page_size_bytes: int
 
 
+@dataclass(frozen=True)
+class CopyRun:
+    """A strided byte correspondence between a worker's page and a canonical
+    page (SPEC 10): for i in range(num_fragments), fragment i spans
+    ``[local_offset + i * local_stride, + fragment_size)`` of the worker's page
+    and ``[canonical_offset + i * canonical_stride, + fragment_size)`` of the
+    canonical page."""
+
+    # Offset of fragment 0 in the worker's (local) page, in bytes.
+    local_offset: int
+    # Offset of fragment 0 in the canonical page, in bytes.
+    canonical_offset: int
+    # Bytes of each fragment.
+    fragment_size: int
+    # Fragments in the run (0: the run copies nothing).
+    num_fragments: int
+    # Bytes between two fragments in the local page.
+    local_stride: int
+    # Bytes between two fragments in the canonical page.
+    canonical_stride: int
+
+
+@dataclass(frozen=True)
+class CanonicalPageMapping:
+    """How a worker's page maps into a canonical (parallelism-free) page."""
+
+    # Bytes of the canonical page: a sub-block of a canonical offloaded row.
+    canonical_page_size_bytes: int
+    # Bytes of the worker's un-padded page; every run lies inside it.
+    local_page_size_bytes: int
+    # The byte correspondences, in copy order.
+    runs: tuple[CopyRun, ...]
+    # Ranks holding these exact bytes; they take turns storing them.
+    num_writers: int
+    # This worker's index among those ranks, in [0, num_writers).
+    writer_index: int
+    # Whether the canonical bytes are the same under any parallel config.
+    parallelism_agnostic: bool
+
+    def is_writer(self, block_id: int) -> bool:
+        """Whether this worker stores the canonical page with this id."""
+        return block_id % self.num_writers == self.writer_index
+
+
 @dataclass(eq=False)
 class CanonicalKVCacheRef:
     """One layer (or layer group) of a KV-cache group."""
@@ -75,7 +119,9 @@ class CanonicalKVCacheRef:
     tensor_idx: int
     # Bytes to copy per block: the un-padded page, starting at the row start.
     page_size_bytes: int
-    # vLLM carries an optional mapping here; ptrres ignores it.
+    # How this worker's page maps into a canonical page (a CanonicalPageMapping,
+    # or any object with its fields); None = uncertified. Read only by
+    # canonical offloaded layouts (SPEC 10): direct layouts ignore it.
     mapping: Any = None
 
 
@@ -117,6 +163,44 @@ class TransferPlan:
     sizes: npt.NDArray[np.uint64]
     # Bytes the whole transfer copies: the sum of sizes.
     num_bytes: int
+
+
+@dataclass(eq=False)
+class StridedTransferPlan:
+    """2-D copy descriptors of one transfer (SPEC 10).
+
+    Descriptor i copies ``height[i]`` rows of ``width[i]`` bytes: row r from
+    ``src[i] + r * src_pitch[i]`` to ``dst[i] + r * dst_pitch[i]``. These are
+    the arguments of ``cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch,
+    width, height)``, and of one entry of ``cuMemcpy3DBatchAsync``. Every
+    array is uint64.
+    """
+
+    # Address of row 0 on the source side of each descriptor.
+    src: npt.NDArray[np.uint64]
+    # Address of row 0 on the destination side of each descriptor.
+    dst: npt.NDArray[np.uint64]
+    # Bytes of each row (a CopyRun's fragment_size).
+    width: npt.NDArray[np.uint64]
+    # Rows of each descriptor (a CopyRun's num_fragments; 1 for direct plans).
+    height: npt.NDArray[np.uint64]
+    # Bytes between two source rows (local_stride on a store, else
+    # canonical_stride; the width for direct plans).
+    src_pitch: npt.NDArray[np.uint64]
+    # Bytes between two destination rows.
+    dst_pitch: npt.NDArray[np.uint64]
+    # Bytes the whole transfer copies: the sum of width * height.
+    num_bytes: int
+
+    def expand(self) -> TransferPlan:
+        """The flat plan: every descriptor's rows, in order, one per row."""
+        height = self.height.astype(np.int64)
+        first = np.repeat(np.cumsum(height) - height, height)
+        row = (np.arange(len(first), dtype=np.int64) - first).astype(np.uint64)
+        src = np.repeat(self.src, height) + row * np.repeat(self.src_pitch, height)
+        dst = np.repeat(self.dst, height) + row * np.repeat(self.dst_pitch, height)
+        sizes = np.repeat(self.width, height)
+        return TransferPlan(src, dst, sizes, self.num_bytes)
 
 
 class DevicePointerGroupInfo(NamedTuple):
