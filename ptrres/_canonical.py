@@ -82,7 +82,8 @@ class PlanTables(NamedTuple):
     offloaded: OffloadedLayout
     # (n_refs, OFF_COLUMNS): the offloaded tensor of each ref.
     offloaded_refs: IntTable
-    # Per-ref item ranges and writers, and the items: fragments (flat plans).
+    # Per-ref item ranges and writers, and the items, (ITEM_COLUMNS, n_items):
+    # fragments (flat plans).
     fragment_refs: IntTable
     fragments: IntTable
     # The same for runs (strided plans).
@@ -147,9 +148,9 @@ def _direct_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTable
         offloaded,
         table._offloaded_refs(offloaded),
         ref_items,
-        items,
+        _by_column(items),
         ref_items,
-        items,
+        _by_column(items),
         counts,
         counts,
     )
@@ -208,9 +209,11 @@ def _canonical_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTa
         offloaded,
         _int_table(offloaded_rows, _kernels.OFF_COLUMNS),
         _int_table(fragment_refs, ck.REF_ITEM_COLUMNS),
-        np.concatenate(fragments) if fragments else _int_table([], ck.ITEM_COLUMNS),
+        _by_column(
+            np.concatenate(fragments) if fragments else _int_table([], ck.ITEM_COLUMNS)
+        ),
         _int_table(run_refs, ck.REF_ITEM_COLUMNS),
-        _int_table(runs, ck.ITEM_COLUMNS),
+        _by_column(_int_table(runs, ck.ITEM_COLUMNS)),
         tuple(group_fragments),
         tuple(group_runs),
     )
@@ -218,6 +221,11 @@ def _canonical_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTa
 
 def _int_table(rows: list[Any], columns: int) -> IntTable:
     return np.array(rows, dtype=np.int64).reshape(len(rows), columns)
+
+
+def _by_column(items: IntTable) -> IntTable:
+    """Items as the kernel takes them: one contiguous row per column."""
+    return np.ascontiguousarray(items.T)
 
 
 def _read_mapping(

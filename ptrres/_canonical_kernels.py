@@ -133,10 +133,12 @@ def canonical_plan_kernel(
     # Check every id before writing, as plan_kernel does.
     n_offloaded_ids = np.uint64(offloaded_ids.shape[0])
     first_id = first_chunk = ZERO
+    max_group_size = ZERO
     for group in range(n_groups):
         n_blocks = np.uint64(group_sizes[group])
         if n_blocks == ZERO:
             continue
+        max_group_size = max(max_group_size, n_blocks)
         n_chunks = (n_blocks + np.uint64(block_indices[group]) % bpc + bpc - ONE) // bpc
         if first_chunk + n_chunks > n_offloaded_ids:
             return BAD_OFFLOADED_ID
@@ -159,6 +161,13 @@ def canonical_plan_kernel(
         dev_out, off_out, dev_pitch, off_pitch = src, dst, src_pitch, dst_pitch
     else:
         dev_out, off_out, dev_pitch, off_pitch = dst, src, dst_pitch, src_pitch
+    local_offsets, canonical_offsets = items[LOCAL_OFFSET], items[CANONICAL_OFFSET]
+    widths, heights = items[WIDTH], items[HEIGHT]
+    local_strides, canonical_strides = items[LOCAL_STRIDE], items[CANONICAL_STRIDE]
+    # Per group: each block's chunk and sub-block, and the blocks kept.
+    chunk_of = np.empty(max_group_size, np.int64)
+    sub_block_of = np.empty(max_group_size, np.int64)
+    kept = np.empty(max_group_size, np.int64)
     written = ZERO
     num_bytes = np.int64(0)
     first_id = first_chunk = ZERO
@@ -166,51 +175,97 @@ def canonical_plan_kernel(
         n_blocks = np.uint64(group_sizes[group])
         if n_blocks == ZERO:
             continue
-        skip = np.uint64(block_indices[group]) % bpc
+        ids = block_ids[first_id : first_id + n_blocks]
+        first_id += n_blocks
+        sub = np.uint64(block_indices[group]) % bpc
+        for k in range(n_blocks):
+            chunk_of[k] = offloaded_ids[first_chunk]
+            sub_block_of[k] = np.int64(sub)
+            sub += ONE
+            if sub == bpc:
+                sub = ZERO
+                first_chunk += ONE
+        if sub != ZERO:
+            first_chunk += ONE
+
+        kept_for = (np.int64(-1), np.int64(-1))  # the writers `kept` was found for
+        n_kept = ZERO
         for ref in range(group_ref_start[group], group_ref_start[group + 1]):
-            first_item, end_item = ref_items[ref, FIRST_ITEM], ref_items[ref, END_ITEM]
-            if first_item == end_item:
+            first_item = np.uint64(ref_items[ref, FIRST_ITEM])
+            n_items = np.uint64(ref_items[ref, END_ITEM]) - first_item
+            if n_items == ZERO:
                 continue  # a ref without fragments adds nothing
-            n_writers = np.uint64(ref_items[ref, NUM_WRITERS])
-            writer = np.uint64(ref_items[ref, WRITER_INDEX])
-            rotate = store and n_writers > ONE
-            # (chunk * bpc + sub) % n_writers without overflowing.
-            bpc_mod = bpc % n_writers
+            # Stores keep the blocks whose canonical page is this rank's; the
+            # refs of a group usually share their writers: find them once.
+            writers = (ref_items[ref, NUM_WRITERS], ref_items[ref, WRITER_INDEX])
+            if store and writers[0] > 1:
+                if writers != kept_for:
+                    kept_for = writers
+                    n_kept = writer_blocks(
+                        chunk_of, sub_block_of, n_blocks, bpc, writers[0],
+                        writers[1], kept,
+                    )  # fmt: skip
+                n_rows = n_kept
+            else:
+                n_rows = n_blocks
             base_ptr = ref_table[ref, BASE_PTR]
             row_stride = ref_table[ref, ROW_STRIDE]
             off_base_ptr = offloaded_refs[ref, OFF_BASE_PTR]
             off_row_stride = offloaded_refs[ref, OFF_ROW_STRIDE]
             sub_bytes = offloaded_refs[ref, OFF_SUB_BYTES]
-            block_bytes = ref_items[ref, BLOCK_BYTES]
-            chunk_pos = first_chunk
-            sub = skip
-            for k in range(n_blocks):
-                chunk = offloaded_ids[chunk_pos]
-                keep = not rotate or (
-                    (np.uint64(chunk) % n_writers * bpc_mod + sub) % n_writers == writer
+            num_bytes += np.int64(n_rows) * ref_items[ref, BLOCK_BYTES]
+            for row in range(n_rows):
+                k = np.uint64(kept[row]) if n_rows != n_blocks else row
+                dev_ptr = base_ptr + np.int64(ids[k]) * row_stride
+                off_ptr = (
+                    off_base_ptr
+                    + chunk_of[k] * off_row_stride
+                    + sub_block_of[k] * sub_bytes
                 )
-                if keep:
-                    dev_ptr = base_ptr + block_ids[first_id + k] * row_stride
-                    off_ptr = (
-                        off_base_ptr
-                        + chunk * off_row_stride
-                        + np.int64(sub) * sub_bytes
-                    )
-                    for item in range(first_item, end_item):
-                        dev_out[written] = dev_ptr + items[item, LOCAL_OFFSET]
-                        off_out[written] = off_ptr + items[item, CANONICAL_OFFSET]
-                        width[written] = items[item, WIDTH]
-                        if strided:
-                            height[written] = items[item, HEIGHT]
-                            dev_pitch[written] = items[item, LOCAL_STRIDE]
-                            off_pitch[written] = items[item, CANONICAL_STRIDE]
-                        written += ONE
-                    num_bytes += block_bytes
-                sub += ONE
-                if sub == bpc:
-                    sub = ZERO
-                    chunk_pos += ONE
-        first_id += n_blocks
-        first_chunk += (n_blocks + skip + bpc - ONE) // bpc
+                # One descriptor per item, branch-free: the loops vectorise.
+                if strided:
+                    for i in range(n_items):
+                        item = first_item + i
+                        dev_out[written + i] = dev_ptr + local_offsets[item]
+                        off_out[written + i] = off_ptr + canonical_offsets[item]
+                        width[written + i] = widths[item]
+                        height[written + i] = heights[item]
+                        dev_pitch[written + i] = local_strides[item]
+                        off_pitch[written + i] = canonical_strides[item]
+                else:
+                    for i in range(n_items):
+                        item = first_item + i
+                        dev_out[written + i] = dev_ptr + local_offsets[item]
+                        off_out[written + i] = off_ptr + canonical_offsets[item]
+                        width[written + i] = widths[item]
+                written += n_items
     totals[0] = num_bytes
     return np.int64(written)
+
+
+@inline_helper
+def writer_blocks(
+    chunk_of: IntArray,
+    sub_block_of: IntArray,
+    n_blocks: np.uint64,
+    bpc: np.uint64,
+    num_writers: int,
+    writer_index: int,
+    kept: IntArray,
+) -> Any:
+    """The blocks whose canonical page id ``chunk * bpc + sub`` is
+    ``writer_index`` modulo ``num_writers``, into kept; returns their count.
+
+    Computed modulo num_writers throughout, so that no product overflows.
+    """
+    n_writers = np.uint64(num_writers)
+    writer = np.uint64(writer_index)
+    bpc_mod = bpc % n_writers
+    n_kept = ZERO
+    for k in range(n_blocks):
+        chunk = np.uint64(chunk_of[k])
+        page = (chunk % n_writers * bpc_mod + np.uint64(sub_block_of[k])) % n_writers
+        if page == writer:
+            kept[n_kept] = k
+            n_kept += ONE
+    return n_kept
