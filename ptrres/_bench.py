@@ -596,7 +596,8 @@ def _sub_block_ptrs(
         return out
     sub = np.arange(bpc, dtype=np.uint64) * (tensor.shape[1] // bpc)
     rows = (base + ids.astype(np.uint64)[:, None] * stride) + sub[None, :]
-    return rows.ravel()[skip : skip + count]
+    flat: npt.NDArray[np.uint64] = rows.ravel()[skip : skip + count]
+    return flat
 
 
 def vllm_style_canonical_plan(
@@ -607,7 +608,7 @@ def vllm_style_canonical_plan(
     blocks_per_chunk: int,
     offloaded_ids: Any,
     store: bool,
-    out: tuple[Any, Any, Any],
+    out: Sequence[Any],
 ) -> int:
     """vLLM 0.33's canonical fill (``_fill_canonical_ops`` per group, as
     ``transfer_async`` calls it), into ``out``, without checks.
