@@ -188,7 +188,7 @@ def canonical_plan_kernel(
         if sub != ZERO:
             first_chunk += ONE
 
-        kept_for = (np.int64(-1), np.int64(-1))  # the writers `kept` was found for
+        kept_for = (np.int64(0), np.int64(0))  # the writers of `kept` (none yet)
         n_kept = ZERO
         for ref in range(group_ref_start[group], group_ref_start[group + 1]):
             first_item = np.uint64(ref_items[ref, FIRST_ITEM])
@@ -197,25 +197,45 @@ def canonical_plan_kernel(
                 continue  # a ref without fragments adds nothing
             # Stores keep the blocks whose canonical page is this rank's; the
             # refs of a group usually share their writers: find them once.
-            writers = (ref_items[ref, NUM_WRITERS], ref_items[ref, WRITER_INDEX])
-            if store and writers[0] > 1:
-                if writers != kept_for:
-                    kept_for = writers
-                    n_kept = writer_blocks(
-                        chunk_of, sub_block_of, n_blocks, bpc, writers[0],
-                        writers[1], kept,
-                    )  # fmt: skip
-                n_rows = n_kept
-            else:
-                n_rows = n_blocks
+            # Writers (1, 0) stand for every block.
+            writers = (np.int64(1), np.int64(0))
+            if store and ref_items[ref, NUM_WRITERS] > 1:
+                writers = (ref_items[ref, NUM_WRITERS], ref_items[ref, WRITER_INDEX])
+            if writers != kept_for:
+                kept_for = writers
+                n_kept = writer_blocks(
+                    chunk_of, sub_block_of, n_blocks, bpc, writers[0], writers[1],
+                    kept,
+                )  # fmt: skip
+            n_rows = n_kept
             base_ptr = ref_table[ref, BASE_PTR]
             row_stride = ref_table[ref, ROW_STRIDE]
             off_base_ptr = offloaded_refs[ref, OFF_BASE_PTR]
             off_row_stride = offloaded_refs[ref, OFF_ROW_STRIDE]
             sub_bytes = offloaded_refs[ref, OFF_SUB_BYTES]
             num_bytes += np.int64(n_rows) * ref_items[ref, BLOCK_BYTES]
+            if n_items == ONE:
+                # One item (a run, or a whole-page fragment): a loop over the
+                # blocks with the item's fields hoisted, which vectorises.
+                local = base_ptr + local_offsets[first_item]
+                canonical = off_base_ptr + canonical_offsets[first_item]
+                for row in range(n_rows):
+                    k = kept[row]
+                    dev_out[written + row] = local + np.int64(ids[k]) * row_stride
+                    off_out[written + row] = (
+                        canonical
+                        + chunk_of[k] * off_row_stride
+                        + sub_block_of[k] * sub_bytes
+                    )
+                    width[written + row] = widths[first_item]
+                    if strided:
+                        height[written + row] = heights[first_item]
+                        dev_pitch[written + row] = local_strides[first_item]
+                        off_pitch[written + row] = canonical_strides[first_item]
+                written += n_rows
+                continue
             for row in range(n_rows):
-                k = np.uint64(kept[row]) if n_rows != n_blocks else row
+                k = kept[row]
                 dev_ptr = base_ptr + np.int64(ids[k]) * row_stride
                 off_ptr = (
                     off_base_ptr
@@ -254,11 +274,16 @@ def writer_blocks(
     kept: IntArray,
 ) -> Any:
     """The blocks whose canonical page id ``chunk * bpc + sub`` is
-    ``writer_index`` modulo ``num_writers``, into kept; returns their count.
+    ``writer_index`` modulo ``num_writers`` (every block for one writer),
+    into kept; returns their count.
 
     Computed modulo num_writers throughout, so that no product overflows.
     """
     n_writers = np.uint64(num_writers)
+    if n_writers == ONE:  # one writer: every block
+        for k in range(n_blocks):
+            kept[k] = k
+        return n_blocks
     writer = np.uint64(writer_index)
     bpc_mod = bpc % n_writers
     n_kept = ZERO
