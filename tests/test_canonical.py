@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import types
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -17,7 +19,8 @@ from conftest import random_tensor
 from hypothesis import assume, given
 
 import ptrres
-from ptrres import CanonicalPageMapping, CopyRun, reference
+from ptrres import CanonicalPageMapping, CopyRun, _bench, reference
+from ptrres._cli import main
 
 
 @dataclass
@@ -659,3 +662,77 @@ def test_canonical_must_be_a_bool() -> None:
     assert "canonical=True" in repr(
         ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)], 1, canonical=True)
     )
+
+
+# --- the benchmark's presets, its vLLM-shaped peer, and the command ----------
+
+
+@pytest.mark.parametrize("name", list(_bench.CANONICAL_PRESETS))
+@pytest.mark.parametrize("block_index", [0, 3])
+def test_bench_peer_is_the_reference_on_each_preset(
+    name: str, block_index: int
+) -> None:
+    preset = _bench.CANONICAL_PRESETS[name]
+    kv = preset.kv_caches(num_blocks=64)
+    spec = _bench.make_spec(
+        _bench._ONE_GROUP, 11, num_blocks=64, block_index=block_index
+    )
+    tensors = preset.offloaded_tensors(4, num_chunks=16)
+    ids = _bench.make_offloaded_ids(spec, 4, num_chunks=16)
+    for store in (True, False):
+        expected = reference.plan_canonical_transfer(
+            spec, kv, tensors, 4, ids, store=store
+        )
+        out = tuple(np.zeros(11 * preset.num_layers * preset.run[3], np.int64)
+                    for _ in range(3))  # fmt: skip
+        n = _bench.vllm_style_canonical_plan(
+            spec, kv, _bench.vllm_canonical_copy_plans(kv, store), tensors, 4, ids,
+            store, out,
+        )  # fmt: skip
+        assert n == len(expected.src)
+        assert out[0][:n].view(np.uint64).tolist() == expected.src.tolist()
+        assert out[1][:n].view(np.uint64).tolist() == expected.dst.tolist()
+        assert out[2][:n].view(np.uint64).tolist() == expected.sizes.tolist()
+        plan = ptrres.PointerTable(kv).plan_transfer(
+            spec, ptrres.OffloadedLayout(tensors, 4, canonical=True), ids, store=store
+        )
+        assert_same_plan(plan, expected, FLAT)
+
+
+def test_bench_canonical_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    status = main(
+        ["bench", "--quick", "--operation", "canonical", "--blocks", "8,2",
+         "--json", str(out)]
+    )  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "llama-3.1-70b-tp4-nhd" in printed
+    assert "deepseek-v3-mla-tp8" in printed
+    rows = json.loads((tmp_path / "bench-canonical.json").read_text())["results"]
+    assert [(r["preset"], r["blocks_per_group"]) for r in rows] == [
+        (p, b) for p in _bench.CANONICAL_PRESETS for b in (2, 8)
+    ]
+    for row in rows:
+        n = row["blocks_per_group"]
+        if row["preset"] == "llama-3.1-70b-tp4-nhd":  # a load: every block
+            assert row["descriptors"] == n * 80 * 16
+            assert row["strided_descriptors"] == n * 80
+        else:  # a store by rank 3 of 8: the blocks whose page id is 3 mod 8
+            assert row["descriptors"] == row["strided_descriptors"] < n * 61
+        assert row["flat_speedup"] == pytest.approx(
+            row["peer_seconds"] / row["flat_seconds"]
+        )
+        assert (row["fill_seconds"] is not None) == (n == 8)
+    # With another operation, both tables are printed.
+    status = main(
+        ["bench", "--quick", "--operation", "canonical", "--operation", "resolve",
+         "--preset", "deepseek-v3-mla-tp8", "--preset", "qwen2.5-7b", "--blocks", "1"]
+    )  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "deepseek-v3-mla-tp8" in printed
+    assert "qwen2.5-7b" in printed
+    assert "llama-3.1-70b-tp4-nhd" not in printed
