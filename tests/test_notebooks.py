@@ -19,11 +19,12 @@ jupytext = pytest.importorskip("jupytext")
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 
-def test_the_three_notebooks_are_there() -> None:
+def test_the_four_notebooks_are_there() -> None:
     assert [p.stem for p in NOTEBOOKS] == [
         "01_resolving_pointers",
         "02_transfer_plans",
         "03_performance",
+        "04_canonical_layouts",
     ]
 
 
