@@ -53,11 +53,31 @@ REF_ITEM_COLUMNS = 5
 
 
 @inline_helper
-def apart(a: Any, b: Any) -> bool:
-    """Whether two arrays share no byte (an empty one shares none)."""
-    a0, b0 = a.ctypes.data, b.ctypes.data
-    a1, b1 = a0 + np.uint64(a.nbytes), b0 + np.uint64(b.nbytes)
-    return bool((a0 == a1) | (b0 == b1) | (a1 <= b0) | (b1 <= a0))
+def overlapping(outputs: Any, inputs: Any) -> bool:
+    """Whether an output shares a byte with another output or an input.
+
+    ``outputs`` and ``inputs`` are tuples of (start, end) addresses; an empty
+    array shares nothing. Inputs may share memory with each other.
+    """
+    spans = outputs + inputs
+    n_outputs = len(outputs)
+    for i in range(n_outputs):
+        start, end = spans[i]
+        for j in range(i + 1, len(spans)):
+            other_start, other_end = spans[j]
+            if (
+                (start < end) & (other_start < other_end)
+                & (start < other_end) & (other_start < end)
+            ):  # fmt: skip
+                return True
+    return False
+
+
+@inline_helper
+def span(array: Any) -> tuple[Any, Any]:
+    """The (start, end) addresses of an array's bytes."""
+    start = array.ctypes.data
+    return start, start + np.uint64(array.nbytes)
 
 
 @kernel(
@@ -111,20 +131,11 @@ def canonical_plan_kernel(
         The number of descriptors written, BAD_OFFLOADED_ID (also for a wrong
         number of offloaded ids), BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
-    if not (
-        apart(src, dst) & apart(src, width) & apart(dst, width)
-        & apart(height, src) & apart(height, dst) & apart(height, width)
-        & apart(src_pitch, src) & apart(src_pitch, dst) & apart(src_pitch, width)
-        & apart(src_pitch, height)
-        & apart(dst_pitch, src) & apart(dst_pitch, dst) & apart(dst_pitch, width)
-        & apart(dst_pitch, height) & apart(dst_pitch, src_pitch)
-        & apart(src, block_ids) & apart(dst, block_ids) & apart(width, block_ids)
-        & apart(height, block_ids) & apart(src_pitch, block_ids)
-        & apart(dst_pitch, block_ids)
-        & apart(src, offloaded_ids) & apart(dst, offloaded_ids)
-        & apart(width, offloaded_ids) & apart(height, offloaded_ids)
-        & apart(src_pitch, offloaded_ids) & apart(dst_pitch, offloaded_ids)
-    ):  # fmt: skip
+    outputs = (
+        span(src), span(dst), span(width), span(height), span(src_pitch),
+        span(dst_pitch),
+    )  # fmt: skip
+    if overlapping(outputs, (span(block_ids), span(offloaded_ids))):
         return OVERLAPPING_BUFFERS
     bpc = np.uint64(blocks_per_chunk)
     group_sizes, block_indices = groups[0], groups[1]
