@@ -736,3 +736,38 @@ def test_bench_canonical_end_to_end(
     assert "deepseek-v3-mla-tp8" in printed
     assert "qwen2.5-7b" in printed
     assert "llama-3.1-70b-tp4-nhd" not in printed
+
+
+@given(canonical_cases(), st.booleans(), st.booleans(), st.integers(-3, 20), st.data())
+def test_a_bad_id_fails_as_in_the_reference_and_the_table_keeps_working(
+    case: CanonicalCase, store: bool, chunk: bool, value: int, data: Any
+) -> None:
+    ids = case.offloaded_ids if chunk else np.asarray(case.spec.block_ids)
+    assume(len(ids))
+    ids = ids.copy()
+    ids[data.draw(st.integers(0, len(ids) - 1))] = value
+    if chunk:
+        bad = replace(case, offloaded_ids=ids)
+    else:
+        spec = ptrres.GPULoadStoreSpec(
+            ids, case.spec.group_sizes, case.spec.block_indices
+        )
+        bad = replace(case, spec=spec)
+    table = ptrres.PointerTable(case.kv_caches)
+    try:
+        expected: Any = bad.reference_plan(store)
+    except (ptrres.BlockIdError, ptrres.OffloadedIdError) as error:
+        expected = type(error)
+    for plan_strided in (False, True):
+        plan = table.plan_strided_transfer if plan_strided else table.plan_transfer
+        if isinstance(expected, type):
+            with pytest.raises(expected):
+                plan(bad.spec, bad.offloaded(), bad.offloaded_ids, store=store)
+        else:
+            result = plan(bad.spec, bad.offloaded(), bad.offloaded_ids, store=store)
+            flat = result.expand() if plan_strided else result
+            assert_same_plan(flat, expected, FLAT)
+    good = table.plan_transfer(
+        case.spec, case.offloaded(), case.offloaded_ids, store=store
+    )
+    assert_same_plan(good, case.reference_plan(store), FLAT)
