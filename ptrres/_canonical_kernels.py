@@ -33,8 +33,9 @@ from ._kernels import (
     id_range,
 )
 
-# Columns of the items table: one row per fragment (flat) or run (strided),
-# ref by ref, in copy order. A fragment is a run of one row.
+# Rows of the items table, (ITEM_COLUMNS, n_items): one column per fragment
+# (flat plans) or run (strided plans), ref by ref, in copy order, so that each
+# field of a ref's items is contiguous. A fragment is a run of one row.
 LOCAL_OFFSET = 0  # offset of row 0 in the worker's page
 CANONICAL_OFFSET = 1  # offset of row 0 in the canonical page (sub-block)
 WIDTH = 2  # bytes per row: the fragment size
@@ -44,7 +45,7 @@ CANONICAL_STRIDE = 5  # bytes between two rows in the canonical page
 ITEM_COLUMNS = 6
 
 # Columns of the per-ref table (same rows as PointerTable.ref_table).
-FIRST_ITEM = 0  # the ref's items are rows FIRST_ITEM:END_ITEM of the items
+FIRST_ITEM = 0  # the ref's items are columns FIRST_ITEM:END_ITEM of the items
 END_ITEM = 1
 NUM_WRITERS = 2  # the mapping's num_writers (1 for direct layouts)
 WRITER_INDEX = 3  # the mapping's writer_index
@@ -120,7 +121,7 @@ def canonical_plan_kernel(
             blocks_per_chunk, store: as _kernels.plan_kernel.
         offloaded_refs: (n_refs, OFF_COLUMNS), the offloaded tensor of each ref.
         ref_items: (n_refs, REF_ITEM_COLUMNS): each ref's items and writers.
-        items: (n_items, ITEM_COLUMNS), every ref's items.
+        items: (ITEM_COLUMNS, n_items), every ref's items.
         strided: write height and the pitches too (else they may be empty).
         src, dst, width: outputs, at least as long as the number of
             descriptors without writer filtering.
