@@ -20,6 +20,12 @@ from ._pointer_utils import (
     iter_pointer_groups,
     resolve_device_pointers,
 )
+from ._results import (
+    DevicePointerGroupInfo,
+    DevicePointers,
+    StridedTransferPlan,
+    TransferPlan,
+)
 from ._table import PointerTable
 from ._types import (
     CanonicalKVCacheRef,
@@ -27,11 +33,7 @@ from ._types import (
     CanonicalKVCacheTensor,
     CanonicalPageMapping,
     CopyRun,
-    DevicePointerGroupInfo,
-    DevicePointers,
     GPULoadStoreSpec,
-    StridedTransferPlan,
-    TransferPlan,
 )
 from ._warmup import CompiledKernel, WarmupReport, warmup
 

@@ -14,28 +14,27 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from . import _canonical_kernels as ck
 from . import _kernels
-from ._errors import InputTypeError, LayoutError
-from ._layout import (
+from ._args import (
     INT64,
     SPEC_FIELDS,
     SRC_DST_SIZES,
-    RefRow,
-    as_block_ids,
     as_int,
     as_list,
     attributes,
+    block_ids_arg,
     missing_attributes,
     out_arrays,
-    overlap_error,
-    tensor_geometry,
 )
+from ._diagnose import overlap_error, plan_error
+from ._errors import InputTypeError, LayoutError
+from ._geometry import RefRow, tensor_geometry
+from ._kernels import canonical as ck
 from ._offloaded import OffloadedLayout
-from ._types import StridedTransferPlan, TransferPlan
+from ._results import StridedTransferPlan, TransferPlan
 
 if TYPE_CHECKING:
-    from ._table import PointerTable
+    from ._table import GroupCounts, PointerTable
 
 MAPPING_FIELDS = (
     "canonical_page_size_bytes",
@@ -54,8 +53,7 @@ RUN_FIELDS = (
 )
 # The out= buffers of a strided plan, in order.
 STRIDED_BUFFERS = (
-    "out[0] (src)",
-    "out[1] (dst)",
+    *SRC_DST_SIZES[:2],
     "out[2] (width)",
     "out[3] (height)",
     "out[4] (src_pitch)",
@@ -311,8 +309,7 @@ def _offloaded_row(
 def plan(
     table: PointerTable,
     block_ids: npt.NDArray[Any],
-    group_sizes: tuple[int, ...],
-    block_indices: tuple[int, ...],
+    counts: GroupCounts,
     offloaded: OffloadedLayout,
     offloaded_ids: Any,
     store: bool,
@@ -320,23 +317,22 @@ def plan(
     coalesce: bool,
     max_run: int,
 ) -> TransferPlan:
-    """The flat plan of a canonical layout (PointerTable.plan_transfer)."""
+    """The flat plan of a canonical layout (_plan.run_plan dispatches here)."""
     tables = plan_tables(table, offloaded)
     n_ops = 0
-    for n, fragments in zip(group_sizes, tables.group_fragments):
+    for n, fragments in zip(counts.group_sizes, tables.group_fragments):
         n_ops += n * fragments
     src, dst, sizes = out_arrays(out, n_ops, SRC_DST_SIZES)
     written, num_bytes, block_ids, chunk_ids = _fill(
-        table, tables, False, block_ids, group_sizes, block_indices,
-        offloaded_ids, store, (src, dst, sizes, _NO_ROWS, _NO_ROWS, _NO_ROWS),
+        table, tables, False, block_ids, counts, offloaded_ids, store,
+        (src, dst, sizes, _NO_ROWS, _NO_ROWS, _NO_ROWS),
     )  # fmt: skip
     if written < 0:
         if written == _kernels.OVERLAPPING_BUFFERS:
             raise overlap_error("out's src, dst and sizes, and the ids")
         raise _id_error(
-            table, (src, dst, sizes), block_ids, group_sizes, block_indices,
-            chunk_ids, offloaded,
-        )  # fmt: skip
+            table, (src, dst, sizes), block_ids, counts, chunk_ids, offloaded
+        )
     if coalesce and written:
         src, dst, sizes = src[:written], dst[:written], sizes[:written]
         written = _kernels.coalesce_kernel(src, dst, sizes, max_run, src, dst, sizes)
@@ -361,43 +357,22 @@ def plan_strided(
         raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
     except AttributeError:
         raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
-    block_ids = as_block_ids(raw_ids)
-    _, _, group_sizes, block_indices = table._check_groups(
-        raw_sizes, raw_indices, len(block_ids)
-    )
+    block_ids = block_ids_arg(raw_ids)
+    counts = table._check_groups(raw_sizes, raw_indices, len(block_ids))
     tables = plan_tables(table, offloaded)
     n_ops = 0
-    for n, runs in zip(group_sizes, tables.group_runs):
+    for n, runs in zip(counts.group_sizes, tables.group_runs):
         n_ops += n * runs
-    outputs = _strided_out(out, n_ops)
+    outputs = tuple(out_arrays(out, n_ops, STRIDED_BUFFERS))
     written, num_bytes, block_ids, chunk_ids = _fill(
-        table, tables, True, block_ids, group_sizes, block_indices, offloaded_ids,
-        store, outputs,
-    )  # fmt: skip
+        table, tables, True, block_ids, counts, offloaded_ids, store, outputs
+    )
     if written < 0:
         if written == _kernels.OVERLAPPING_BUFFERS:
             raise overlap_error("out's six buffers, and the ids")
-        raise _id_error(
-            table, outputs, block_ids, group_sizes, block_indices, chunk_ids,
-            offloaded,
-        )  # fmt: skip
+        raise _id_error(table, outputs, block_ids, counts, chunk_ids, offloaded)
     src, dst, width, height, src_pitch, dst_pitch = (o[:written] for o in outputs)
     return StridedTransferPlan(src, dst, width, height, src_pitch, dst_pitch, num_bytes)
-
-
-def _strided_out(out: Any, n_ops: int) -> tuple[npt.NDArray[np.uint64], ...]:
-    """The six outputs of a strided plan: new arrays, or views of out=."""
-    if out is None:
-        return tuple(np.empty(n_ops, np.uint64) for _ in STRIDED_BUFFERS)
-    if isinstance(out, (tuple, list, np.ndarray)) and len(out) == 6:
-        first = out_arrays(out[:3], n_ops, SRC_DST_SIZES[:2] + STRIDED_BUFFERS[2:3])
-        rest = out_arrays(out[3:], n_ops, STRIDED_BUFFERS[3:])
-        return (*first, *rest)
-    count = f"{len(out)} items" if hasattr(out, "__len__") else "not a sequence"
-    raise InputTypeError(
-        f"out must hold 6 buffers ({', '.join(STRIDED_BUFFERS)}): got a "
-        f"{type(out).__name__}, {count}"
-    )
 
 
 def _fill(
@@ -405,8 +380,7 @@ def _fill(
     tables: PlanTables,
     strided: bool,
     block_ids: npt.NDArray[Any],
-    group_sizes: tuple[int, ...],
-    block_indices: tuple[int, ...],
+    counts: GroupCounts,
     offloaded_ids: Any,
     store: bool,
     outputs: tuple[npt.NDArray[np.uint64], ...],
@@ -414,32 +388,31 @@ def _fill(
     """Run the kernel; return its status or count, the bytes, and the ids."""
     if block_ids.dtype is not INT64:
         block_ids = block_ids.astype(np.int64)
-    chunk_ids = offloaded_ids
-    if not (
-        type(chunk_ids) is np.ndarray
-        and chunk_ids.dtype is INT64
-        and chunk_ids.ndim == 1
-        and chunk_ids.flags.carray
-    ):
-        chunk_ids = as_block_ids(offloaded_ids, "offloaded_ids").astype(np.int64)
+    chunk_ids = block_ids_arg(offloaded_ids, "offloaded_ids")
+    if chunk_ids.dtype is not INT64:
+        chunk_ids = chunk_ids.astype(np.int64)
+    # Room for the chunk, sub-block and kept index of each block of a group:
+    # sized by all the ids, as in _plan.run_plan.
+    scratch = np.empty((3, len(block_ids)), np.int64)
     totals = np.zeros(1, np.int64)
     ref_items, items = (
         (tables.run_refs, tables.runs)
         if strided
         else (tables.fragment_refs, tables.fragments)
     )
-    written = ck.canonical_plan_kernel(
+    written = _kernels.canonical_plan_kernel(
         table.ref_table,
         table.group_ref_start,
         tables.offloaded_refs,
         ref_items,
         items,
         block_ids,
-        table._group_array(group_sizes, block_indices),
+        table._groups_array(counts.group_sizes, counts.block_indices),
         chunk_ids,
         tables.offloaded.blocks_per_chunk,
         store,
         strided,
+        scratch,
         outputs[0],
         outputs[1],
         outputs[2],
@@ -455,14 +428,14 @@ def _id_error(
     table: PointerTable,
     outputs: tuple[npt.NDArray[np.uint64], ...],
     block_ids: npt.NDArray[np.int64],
-    group_sizes: tuple[int, ...],
-    block_indices: tuple[int, ...],
+    counts: GroupCounts,
     chunk_ids: npt.NDArray[np.int64],
     offloaded: OffloadedLayout,
 ) -> Exception:
     """Zero the outputs; the error of the direct plan for the same ids."""
     for output in outputs:
         output[:] = 0
-    return table._plan_error(
-        block_ids, group_sizes, block_indices, chunk_ids, offloaded
-    )
+    return plan_error(
+        table._groups, block_ids, counts.group_sizes, counts.block_indices,
+        chunk_ids, offloaded,
+    )  # fmt: skip

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+from ._args import as_int
 from ._errors import InputTypeError
-from ._layout import OffloadedGeometry, as_int, read_offloaded
+from ._geometry import OffloadedGeometry, read_offloaded
 
 
 class OffloadedLayout:

@@ -1,4 +1,4 @@
-"""The data model, with vLLM's names and fields.
+"""What callers pass in, with vLLM's names and fields.
 
 Every function of ptrres also accepts any object that has these attribute
 names (vLLM's own classes among them): these classes are a convenience for
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -133,85 +133,3 @@ class CanonicalKVCaches:
     # group_data_refs[g] lists the refs of group g, in copy order. Several refs
     # (of different groups) may share a tensor; a group may have no refs.
     group_data_refs: list[list[CanonicalKVCacheRef]] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class DevicePointers:
-    """Resolved device pointers: one (ptr, size) per group, ref and block."""
-
-    # Pointer of each copy op, ordered group -> ref -> block.
-    ptrs: npt.NDArray[np.uint64]
-    # Bytes of each copy op (the ref's page_size_bytes).
-    sizes: npt.NDArray[np.uint64]
-    # Blocks of each group (the spec's group_sizes), empty groups included.
-    group_block_counts: tuple[int, ...]
-    # Refs of each group.
-    group_data_ref_counts: tuple[int, ...]
-    # Index inside the request of each group's first block.
-    block_indices: tuple[int, ...]
-
-
-@dataclass(eq=False)
-class TransferPlan:
-    """Copy descriptors of one transfer: copy sizes[i] bytes from src[i] to dst[i]."""
-
-    # Source pointer of each descriptor (uint64).
-    src: npt.NDArray[np.uint64]
-    # Destination pointer of each descriptor (uint64).
-    dst: npt.NDArray[np.uint64]
-    # Bytes of each descriptor (uint64).
-    sizes: npt.NDArray[np.uint64]
-    # Bytes the whole transfer copies: the sum of sizes.
-    num_bytes: int
-
-
-@dataclass(eq=False)
-class StridedTransferPlan:
-    """2-D copy descriptors of one transfer (SPEC 10).
-
-    Descriptor i copies ``height[i]`` rows of ``width[i]`` bytes: row r from
-    ``src[i] + r * src_pitch[i]`` to ``dst[i] + r * dst_pitch[i]``. These are
-    the arguments of ``cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch,
-    width, height)``, and of one entry of ``cuMemcpy3DBatchAsync``. Every
-    array is uint64.
-    """
-
-    # Address of row 0 on the source side of each descriptor.
-    src: npt.NDArray[np.uint64]
-    # Address of row 0 on the destination side of each descriptor.
-    dst: npt.NDArray[np.uint64]
-    # Bytes of each row (a CopyRun's fragment_size).
-    width: npt.NDArray[np.uint64]
-    # Rows of each descriptor (a CopyRun's num_fragments; 1 for direct plans).
-    height: npt.NDArray[np.uint64]
-    # Bytes between two source rows (local_stride on a store, else
-    # canonical_stride; the width for direct plans).
-    src_pitch: npt.NDArray[np.uint64]
-    # Bytes between two destination rows.
-    dst_pitch: npt.NDArray[np.uint64]
-    # Bytes the whole transfer copies: the sum of width * height.
-    num_bytes: int
-
-    def expand(self) -> TransferPlan:
-        """The flat plan: every descriptor's rows, in order, one per row."""
-        height = self.height.astype(np.int64)
-        first = np.repeat(np.cumsum(height) - height, height)
-        row = (np.arange(len(first), dtype=np.int64) - first).astype(np.uint64)
-        src = np.repeat(self.src, height) + row * np.repeat(self.src_pitch, height)
-        dst = np.repeat(self.dst, height) + row * np.repeat(self.dst_pitch, height)
-        sizes = np.repeat(self.width, height)
-        return TransferPlan(src, dst, sizes, self.num_bytes)
-
-
-class DevicePointerGroupInfo(NamedTuple):
-    """Where one non-empty group sits in DevicePointers and in offloaded chunks."""
-
-    group_idx: int
-    group_size: int
-    n_data_refs: int
-    # Offset of the group's first block inside its first offloaded chunk.
-    skip: int
-    # Offloaded chunks the group spans.
-    n_chunks: int
-    # Index in DevicePointers.ptrs of the group's first op.
-    dev_ptr_offset: int

@@ -19,7 +19,8 @@ from conftest import random_tensor
 from hypothesis import assume, given
 
 import ptrres
-from ptrres import CanonicalPageMapping, CopyRun, _bench, reference
+from ptrres import CanonicalPageMapping, CopyRun, reference
+from ptrres import bench as _bench
 from ptrres._cli import main
 
 

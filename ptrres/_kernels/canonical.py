@@ -4,8 +4,9 @@ One kernel serves both: it walks group -> ref -> kept block -> item, where a
 ref's items are its fragments (flat plans, one (src, dst, size) descriptor
 each) or its runs (strided plans, one 2-D descriptor each). A direct layout
 is a canonical one whose refs have a single whole-page item and one writer,
-so its strided plan comes from the same loop. Statuses are those of
-_kernels: the wrapper turns them into the errors of direct plans.
+so its strided plan comes from the same loop. Ids are checked and blocks
+mapped to chunks by plan.py's check_ids and map_chunks; statuses are those of
+common.py: the wrapper turns them into the errors of direct plans.
 """
 
 from __future__ import annotations
@@ -14,24 +15,23 @@ from typing import Any
 
 import numpy as np
 
-from ._config import inline_helper, kernel
-from ._kernels import (
-    BAD_BLOCK_ID,
-    BAD_OFFLOADED_ID,
+from .._config import inline_helper, kernel
+from .common import (
     BASE_PTR,
-    NUM_BLOCKS,
     OFF_BASE_PTR,
-    OFF_NUM_CHUNKS,
     OFF_ROW_STRIDE,
     OFF_SUB_BYTES,
     ONE,
     OVERLAPPING_BUFFERS,
     ROW_STRIDE,
+    TABLE,
     ZERO,
     IntArray,
     UIntArray,
-    id_range,
+    chunk_slot,
+    overlaps,
 )
+from .plan import check_ids, map_chunks
 
 # Rows of the items table, (ITEM_COLUMNS, n_items): one column per fragment
 # (flat plans) or run (strided plans), ref by ref, in copy order, so that each
@@ -53,38 +53,10 @@ BLOCK_BYTES = 4  # bytes the ref copies per kept block: sum of width * height
 REF_ITEM_COLUMNS = 5
 
 
-@inline_helper
-def overlapping(outputs: Any, inputs: Any) -> bool:
-    """Whether an output shares a byte with another output or an input.
-
-    ``outputs`` and ``inputs`` are tuples of (start, end) addresses; an empty
-    array shares nothing. Inputs may share memory with each other.
-    """
-    spans = outputs + inputs
-    n_outputs = len(outputs)
-    for i in range(n_outputs):
-        start, end = spans[i]
-        for j in range(i + 1, len(spans)):
-            other_start, other_end = spans[j]
-            if (
-                (start < end) & (other_start < other_end)
-                & (start < other_end) & (other_start < end)
-            ):  # fmt: skip
-                return True
-    return False
-
-
-@inline_helper
-def span(array: Any) -> tuple[Any, Any]:
-    """The (start, end) addresses of an array's bytes."""
-    start = array.ctypes.data
-    return start, start + np.uint64(array.nbytes)
-
-
 @kernel(
-    "int64(int64[:, ::1], int64[::1], int64[:, ::1], int64[:, ::1],"
-    " int64[:, ::1], int64[::1], int64[:, ::1], int64[::1], int64, boolean,"
-    " boolean, uint64[::1], uint64[::1], uint64[::1], uint64[::1], uint64[::1],"
+    f"int64({TABLE}, int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[::1],"
+    " int64[:, ::1], int64[::1], int64, boolean, boolean, int64[:, ::1],"
+    " uint64[::1], uint64[::1], uint64[::1], uint64[::1], uint64[::1],"
     " uint64[::1], int64[::1])"
 )
 def canonical_plan_kernel(
@@ -99,6 +71,7 @@ def canonical_plan_kernel(
     blocks_per_chunk: int,
     store: bool,
     strided: bool,
+    scratch: IntArray,
     src: UIntArray,
     dst: UIntArray,
     width: UIntArray,
@@ -118,11 +91,13 @@ def canonical_plan_kernel(
 
     Args:
         ref_table, group_ref_start, block_ids, groups, offloaded_ids,
-            blocks_per_chunk, store: as _kernels.plan_kernel.
+            blocks_per_chunk, store: as plan_kernel.
         offloaded_refs: (n_refs, OFF_COLUMNS), the offloaded tensor of each ref.
         ref_items: (n_refs, REF_ITEM_COLUMNS): each ref's items and writers.
         items: (ITEM_COLUMNS, n_items), every ref's items.
         strided: write height and the pitches too (else they may be empty).
+        scratch: (3, m) with m >= the largest group size: room for the chunk,
+            the sub-block and the kept index of each block of a group.
         src, dst, width: outputs, at least as long as the number of
             descriptors without writer filtering.
         height, src_pitch, dst_pitch: outputs when strided.
@@ -132,41 +107,19 @@ def canonical_plan_kernel(
         The number of descriptors written, BAD_OFFLOADED_ID (also for a wrong
         number of offloaded ids), BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
     """
-    outputs = (
-        span(src), span(dst), span(width), span(height), span(src_pitch),
-        span(dst_pitch),
-    )  # fmt: skip
-    if overlapping(outputs, (span(block_ids), span(offloaded_ids))):
-        return OVERLAPPING_BUFFERS
+    # No output may share a byte with another or with the ids.
+    outputs = (src, dst, width, height, src_pitch, dst_pitch)
+    for i in range(len(outputs)):
+        if overlaps(outputs[i], block_ids) | overlaps(outputs[i], offloaded_ids):
+            return OVERLAPPING_BUFFERS
+        for j in range(i + 1, len(outputs)):
+            if overlaps(outputs[i], outputs[j]):
+                return OVERLAPPING_BUFFERS
     bpc = np.uint64(blocks_per_chunk)
-    group_sizes, block_indices = groups[0], groups[1]
-    n_groups = group_sizes.shape[0]
-
-    # Check every id before writing, as plan_kernel does.
-    n_offloaded_ids = np.uint64(offloaded_ids.shape[0])
-    first_id = first_chunk = ZERO
-    max_group_size = ZERO
-    for group in range(n_groups):
-        n_blocks = np.uint64(group_sizes[group])
-        if n_blocks == ZERO:
-            continue
-        max_group_size = max(max_group_size, n_blocks)
-        n_chunks = (n_blocks + np.uint64(block_indices[group]) % bpc + bpc - ONE) // bpc
-        if first_chunk + n_chunks > n_offloaded_ids:
-            return BAD_OFFLOADED_ID
-        lowest_id, highest_id = id_range(block_ids[first_id : first_id + n_blocks])
-        lowest_chunk, highest_chunk = id_range(
-            offloaded_ids[first_chunk : first_chunk + n_chunks]
-        )
-        for ref in range(group_ref_start[group], group_ref_start[group + 1]):
-            if lowest_id < 0 or highest_id >= ref_table[ref, NUM_BLOCKS]:
-                return BAD_BLOCK_ID
-            if lowest_chunk < 0 or highest_chunk >= offloaded_refs[ref, OFF_NUM_CHUNKS]:
-                return BAD_OFFLOADED_ID
-        first_id += n_blocks
-        first_chunk += n_chunks
-    if first_chunk != n_offloaded_ids:
-        return BAD_OFFLOADED_ID
+    tables = (ref_table, offloaded_refs)
+    status = check_ids(tables, group_ref_start, groups, block_ids, offloaded_ids, bpc)
+    if status < 0:
+        return status
 
     # The device side goes to src on a store and to dst on a load.
     if store:
@@ -176,29 +129,24 @@ def canonical_plan_kernel(
     local_offsets, canonical_offsets = items[LOCAL_OFFSET], items[CANONICAL_OFFSET]
     widths, heights = items[WIDTH], items[HEIGHT]
     local_strides, canonical_strides = items[LOCAL_STRIDE], items[CANONICAL_STRIDE]
-    # Per group: each block's chunk and sub-block, and the blocks kept.
-    chunk_of = np.empty(max_group_size, np.int64)
-    sub_block_of = np.empty(max_group_size, np.int64)
-    kept = np.empty(max_group_size, np.int64)
+    chunk_of, sub_block_of, kept = scratch[0], scratch[1], scratch[2]
+    group_sizes, block_indices = groups[0], groups[1]
     written = ZERO
     num_bytes = np.int64(0)
     first_id = first_chunk = ZERO
-    for group in range(n_groups):
+    for group in range(group_sizes.shape[0]):
         n_blocks = np.uint64(group_sizes[group])
         if n_blocks == ZERO:
             continue
         ids = block_ids[first_id : first_id + n_blocks]
         first_id += n_blocks
-        sub = np.uint64(block_indices[group]) % bpc
-        for k in range(n_blocks):
-            chunk_of[k] = offloaded_ids[first_chunk]
-            sub_block_of[k] = np.int64(sub)
-            sub += ONE
-            if sub == bpc:
-                sub = ZERO
-                first_chunk += ONE
-        if sub != ZERO:
-            first_chunk += ONE
+        skip = np.uint64(block_indices[group]) % bpc
+        n_chunks = chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE  # last's, + 1
+        map_chunks(
+            offloaded_ids[first_chunk : first_chunk + n_chunks], skip, bpc,
+            (ids, chunk_of, sub_block_of),
+        )  # fmt: skip
+        first_chunk += n_chunks
 
         kept_for = (np.int64(0), np.int64(0))  # the writers of `kept` (none yet)
         n_kept = ZERO
