@@ -41,7 +41,7 @@ from matplotlib.patches import ConnectionPatch, Rectangle
 
 import ptrres
 from ptrres import CanonicalPageMapping, CopyRun
-from ptrres._bench import CANONICAL_PRESETS, canonical_bench_cell
+from ptrres.bench import CANONICAL_PRESETS, canonical_bench_cell
 
 plt.rcParams.update({"figure.dpi": 80, "savefig.dpi": 80})
 print(ptrres.warmup())
