@@ -310,3 +310,28 @@ def test_canonical_bad_ids_raise_before_anything_is_submitted(
         assert not handler._transfers
         assert len(handler._buffer_pool) == 1
         assert_same(expected, transfer(handler, engine, 3, *good))
+
+
+def test_a_method_captured_while_patched_runs_vllms_own_after_unpatch() -> None:
+    """A bound transfer_async kept across unpatch() gives vLLM's own fill."""
+    engine = CopyEngine()
+    cpu = torch.zeros((8, TP * ROW * BLOCK_SIZE * 2), dtype=torch.int8)
+    fills: list[int] = []
+    with stubbed_vllm(engine) as mp:
+        _, store, _ = rank_handlers(0, cpu)
+        good = specs(*IDS, CPU_IDS, gpu_to_cpu=True)
+        expected = transfer(store, engine, 1, *good)
+        plugin.patch()
+        captured = store.transfer_async
+        plugin.unpatch()
+        original_fill = store._fill_group_ops
+        mp.setattr(
+            store,
+            "_fill_group_ops",
+            lambda *a, **k: fills.append(1) or original_fill(*a, **k),
+        )
+        assert captured(2, *good) is True
+        store.get_finished()
+    assert fills == [1, 1]  # vLLM filled both groups
+    assert_same(expected, ((engine.calls[-1].src, engine.calls[-1].dst,
+                            engine.calls[-1].sizes), expected[1]))  # fmt: skip
