@@ -107,6 +107,8 @@ device_ptrs = ptrres.resolve_device_pointers(spec, kv_caches)
 oracle = reference.resolve_device_pointers(spec, kv_caches)
 print(device_ptrs.ptrs.dtype, len(device_ptrs.ptrs), "ops")
 print("same as the numpy reference:", np.array_equal(device_ptrs.ptrs, oracle.ptrs))
+assert np.array_equal(device_ptrs.ptrs, oracle.ptrs)
+assert np.array_equal(device_ptrs.sizes, oracle.sizes)
 print(
     "group_block_counts",
     device_ptrs.group_block_counts,
@@ -226,6 +228,7 @@ for i, (_, _, t, block) in enumerate(ops):
         f"op {i}: tensor {t} block {block}: {read[:6].hex(' ')} ... "
         f"{'matches' if read == expected else 'DIFFERS'}"
     )
+    assert read == expected, f"op {i} read other bytes than its row's"
 
 # %% [markdown]
 # Consumers often want the ops in pinned int64 buffers (torch tensors handed to
@@ -242,6 +245,8 @@ print(
     pinned[0].numpy().view(np.uint64).tolist() == device_ptrs.ptrs.tolist(),
 )
 print("sizes:", pinned[1].tolist())
+assert pinned[0].numpy().view(np.uint64).tolist() == device_ptrs.ptrs.tolist()
+assert pinned[1].tolist() == device_ptrs.sizes.tolist()
 
 # %% [markdown]
 # ## A bad block id gets a clear error
@@ -279,13 +284,17 @@ for i in (6, 7):
 # `TypeError`), and the resolver keeps working afterwards.
 
 # %%
-for bad_ids in ([5, 2, 8, 1, 7], [5, 2, 6, -1, 7]):
+for bad_ids, named in [([5, 2, 8, 1, 7], (0, 2, 8)), ([5, 2, 6, -1, 7], (1, 0, -1))]:
     bad = ptrres.GPULoadStoreSpec(np.array(bad_ids), [3, 2], [0, 0])
     try:
         ptrres.resolve_device_pointers(bad, kv_caches)
     except ptrres.BlockIdError as error:
         print(f"{type(error).__name__}: {error}")
         print(f"  group={error.group} position={error.position} value={error.value}")
+        caught = (error.group, error.position, error.value)
+    else:
+        caught = None  # accepted
+    assert caught == named
 
 try:
     ptrres.resolve_device_pointers(
@@ -296,3 +305,4 @@ except ptrres.PtrresError as error:
 
 again = ptrres.resolve_device_pointers(spec, kv_caches)
 print("next call:", np.array_equal(again.ptrs, device_ptrs.ptrs))
+assert np.array_equal(again.ptrs, device_ptrs.ptrs)

@@ -118,15 +118,15 @@ print(len(store.sizes), "descriptors,", store.num_bytes, "bytes")
 oracle = reference.plan_transfer(
     spec, kv_caches, offloaded_tensors, BPC, offloaded_ids, store=True
 )
-print(
-    "same as the numpy reference:",
-    all(
-        np.array_equal(a, b)
-        for a, b in zip(
-            (store.src, store.dst, store.sizes), (oracle.src, oracle.dst, oracle.sizes)
-        )
-    ),
+same_as_reference = all(
+    np.array_equal(a, b)
+    for a, b in zip(
+        (store.src, store.dst, store.sizes), (oracle.src, oracle.dst, oracle.sizes)
+    )
 )
+print("same as the numpy reference:", same_as_reference)
+assert same_as_reference
+assert store.num_bytes == oracle.num_bytes == int(store.sizes.sum())
 
 # The group of each descriptor: ops are ordered group -> ref -> block.
 op_groups = np.repeat(
@@ -249,10 +249,9 @@ for n_blocks, block_index in zip(spec.group_sizes, spec.block_indices):
             expected[t][chunk, sub * ROW : (sub + 1) * ROW] = original[t][block]
     first_id += n_blocks
     first_chunk += -(-(n_blocks + skip) // BPC)
-print(
-    "offloaded bytes as SPEC says:",
-    all(torch.equal(a, b) for a, b in zip(offloaded_tensors, expected)),
-)
+stored_as_spec = all(torch.equal(a, b) for a, b in zip(offloaded_tensors, expected))
+print("offloaded bytes as SPEC says:", stored_as_spec)
+assert stored_as_spec
 
 # %% [markdown]
 # Now wipe the device tensors and load the blocks back: the 8 blocks come back
@@ -263,6 +262,8 @@ for tensor in device:
     tensor.zero_()
 load = table.plan_transfer(spec, offloaded, offloaded_ids, store=False)
 print("a load swaps src and dst:", np.array_equal(load.src, store.dst))
+assert np.array_equal(load.src, store.dst)
+assert np.array_equal(load.dst, store.src)
 execute(load)
 
 blocks = spec.block_ids
@@ -274,6 +275,8 @@ for t, tensor in enumerate(device):
         "| other blocks still zero:",
         bool((tensor[untouched] == 0).all()),
     )
+    assert torch.equal(tensor[blocks], original[t][blocks])
+    assert bool((tensor[untouched] == 0).all())
 
 # %% [markdown]
 # ## Coalescing
@@ -300,6 +303,14 @@ for name, plan in [
     ("ptrres.coalesce(plain)", standalone),
 ]:
     print(f"{name:<28}{len(plan.sizes):>12}{plan.num_bytes:>7}  {plan.sizes.tolist()}")
+    # Merging changes the descriptors, never the bytes they copy.
+    assert plan.num_bytes == int(plan.sizes.sum()) == store.num_bytes
+assert max(capped.sizes) <= 2 * ROW
+for a, b in zip(
+    (merged.src, merged.dst, merged.sizes),
+    (standalone.src, standalone.dst, standalone.sizes),
+):
+    assert np.array_equal(a, b)
 
 # %% [markdown]
 # Coalescing keeps the byte mapping: a load through the merged plan restores
@@ -309,10 +320,9 @@ for name, plan in [
 for tensor in device:
     tensor.zero_()
 execute(table.plan_transfer(spec, offloaded, offloaded_ids, store=False, coalesce=True))
-print(
-    "merged load restores the blocks:",
-    all(torch.equal(d[blocks], o[blocks]) for d, o in zip(device, original)),
-)
+restored = all(torch.equal(d[blocks], o[blocks]) for d, o in zip(device, original))
+print("merged load restores the blocks:", restored)
+assert restored
 
 # %% [markdown]
 # ## Coalescing at model scale
@@ -351,6 +361,7 @@ for name in LAYOUTS:
             {"coalesce": True, "max_run_bytes": 256 << 10},
         )
     ]
+    assert counts[name][0] >= counts[name][2] >= counts[name][1]
     shape = f"{preset.num_groups} x {preset.refs_per_group}"
     print(f"{name:<20}{shape:>14}" + "".join(f"{c:>9}" for c in counts[name]))
 

@@ -72,6 +72,10 @@ def time_resolve(name: str, blocks: int) -> dict[str, float]:
     spec = make_spec(preset, blocks, seed=0)
     n_ops = blocks * preset.num_refs
     ptrs, sizes = np.empty(n_ops, np.int64), np.empty(n_ops, np.int64)
+    # What is timed is right: the same ops as the reference's.
+    expected = reference.resolve_device_pointers(spec, kv)
+    assert np.array_equal(table.resolve(spec, out=(ptrs, sizes)).ptrs, expected.ptrs)
+    assert np.array_equal(sizes.view(np.uint64), expected.sizes)
     timings = compare(
         {
             "reference": lambda: reference.resolve_device_pointers(spec, kv),
@@ -173,6 +177,15 @@ def time_plan(name: str, blocks: int) -> dict[str, float]:
     n_ops = blocks * preset.num_refs
     src, dst, sizes = (np.empty(n_ops, np.int64) for _ in range(3))
     out = (src, dst, sizes)
+    # What is timed is right: the reference's plan, and coalescing keeps its bytes.
+    expected = reference.plan_transfer(
+        spec, kv, offloaded_tensors, BPC, ids, store=False
+    )
+    plan = table.plan_transfer(spec, offloaded, ids, store=False, out=out)
+    assert np.array_equal(plan.src, expected.src)
+    assert np.array_equal(plan.dst, expected.dst)
+    merged = table.plan_transfer(spec, offloaded, ids, store=False, coalesce=True)
+    assert merged.num_bytes == int(merged.sizes.sum()) == expected.num_bytes
     timings = compare(
         {
             "reference": lambda: reference.plan_transfer(

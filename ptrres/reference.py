@@ -3,39 +3,34 @@
 This module is the oracle of the test suite and the baseline of the
 benchmarks. It follows vLLM's numpy resolver in shape (one vectorised
 expression per group and ref), adds the checks of SPEC section 7, and reads
-every tensor's geometry on every call, as vLLM does. It accepts and rejects
-exactly the input the compiled path does, because both read their input with
-the same helpers (``ptrres._args``, ``ptrres._geometry``).
+every tensor's geometry on every call, as vLLM does.
+
+It shares nothing with the compiled path but the error classes and the result
+types: it reads each tensor itself (data pointer, ``stride(0) *
+element_size()``, rows) and checks its input in its own plain code, so that a
+geometry or validation bug of the compiled path shows as a difference. Its
+error messages are worded as the compiled path's (the tests check that they
+agree).
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from ._args import (
-    GROUP_FIELDS,
-    SPEC_FIELDS,
-    as_block_ids,
-    as_block_indices,
-    as_group_sizes,
-    as_int,
-    as_list,
-    attributes,
-    descriptor_array,
-)
-from ._diagnose import block_id_error
 from ._errors import (
     BlockIdError,
     InputTypeError,
     LayoutError,
     OffloadedIdError,
+    PtrresError,
     SpecError,
 )
-from ._geometry import RefRow, offloaded_rows, read_layout, read_offloaded
 from ._results import (
     DevicePointerGroupInfo,
     DevicePointers,
@@ -52,16 +47,47 @@ __all__ = [
     "resolve_device_pointers",
 ]
 
+# Pointers are computed in int64 by ptrres: every byte must lie below.
+ADDRESS_LIMIT = 2**63 - 1
+ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+DESCRIPTOR_DTYPES = (np.dtype(np.int64), np.dtype(np.uint64))
+
+
+class Ref(NamedTuple):
+    """One ref of one group, with its tensor's geometry (bytes)."""
+
+    tensor_idx: int
+    base_ptr: int
+    row_stride_bytes: int
+    page_size_bytes: int
+    num_blocks: int
+
+
+class Offloaded(NamedTuple):
+    """An offloaded tensor: one row per chunk, split into sub-blocks (bytes)."""
+
+    base_ptr: int
+    row_stride_bytes: int
+    sub_bytes: int
+    num_chunks: int
+
 
 def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> DevicePointers:
     """ptr = base + block_id * row_stride_bytes, for every group, ref and block."""
-    layout = read_layout(kv_caches)
-    raw_ids, raw_sizes, raw_indices = attributes(
-        device_spec, SPEC_FIELDS, "device_spec"
+    layout = _read_kv_caches(kv_caches)
+    raw_ids, raw_sizes, raw_indices = _attributes(
+        device_spec, ("block_ids", "group_sizes", "block_indices"), "device_spec"
     )
-    block_ids = as_block_ids(raw_ids)
-    group_sizes = as_group_sizes(raw_sizes, len(layout), len(block_ids))
-    block_indices = as_block_indices(raw_indices, len(layout))
+    block_ids = _block_ids(raw_ids, "block_ids")
+    group_sizes = _per_group(raw_sizes, "group_sizes", "group size", len(layout))
+    total = sum(group_sizes.tolist())  # exact: a numpy sum wraps around 2**64
+    if total != len(block_ids):
+        raise SpecError(
+            f"group sizes sum to {total} but there are {len(block_ids)} block ids"
+        )
+    block_indices = tuple(
+        _per_group(raw_indices, "block_indices", "block index", len(layout)).tolist()
+    )
 
     num_ops = sum(int(n) * len(refs) for n, refs in zip(group_sizes, layout))
     ptrs = np.empty(num_ops, dtype=np.uint64)
@@ -91,34 +117,47 @@ def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> DevicePointers:
 
 
 def _block_id_error(
-    group_ids: npt.NDArray[Any], ref: RefRow, group: int, d: int
+    group_ids: npt.NDArray[Any], ref: Ref, group: int, d: int
 ) -> BlockIdError:
     """The error for the first of a group's ids outside its ref's tensor."""
     position = int(np.flatnonzero((group_ids < 0) | (group_ids >= ref.num_blocks))[0])
-    return block_id_error(group, position, int(group_ids[position]), d, ref)
+    value = int(group_ids[position])
+    return BlockIdError(
+        f"group {group}, position {position}: block id {value} is out of range "
+        f"for ref {d}, whose tensor {ref.tensor_idx} has {ref.num_blocks} blocks",
+        group=group,
+        position=position,
+        value=value,
+    )
 
 
 def iter_pointer_groups(
     device_ptrs: Any, blocks_per_chunk: int
 ) -> Iterator[DevicePointerGroupInfo]:
     """One DevicePointerGroupInfo per non-empty group (eager list, as an iterator)."""
-    blocks_per_chunk = as_int(blocks_per_chunk, "blocks_per_chunk")
+    blocks_per_chunk = _as_int(blocks_per_chunk, "blocks_per_chunk")
     if blocks_per_chunk < 1:
         raise SpecError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-    fields = attributes(device_ptrs, GROUP_FIELDS, "device_ptrs")
-    counts = [as_list(values, name) for values, name in zip(fields, GROUP_FIELDS)]
+    names = ("group_block_counts", "group_data_ref_counts", "block_indices")
+    fields = _attributes(device_ptrs, names, "device_ptrs")
+    counts = [_as_list(values, name) for values, name in zip(fields, names)]
     if len({len(c) for c in counts}) != 1:
         raise SpecError(
-            "group_block_counts, group_data_ref_counts, block_indices differ in length"
+            "group_block_counts, group_data_ref_counts and block_indices have "
+            f"{len(counts[0])}, {len(counts[1])} and {len(counts[2])} entries; "
+            "they need one per group"
         )
     infos = []
     dev_ptr_offset = 0
     for group_idx, (group_size, n_data_refs, block_index) in enumerate(zip(*counts)):
-        group_size = as_int(group_size, "group size")
-        n_data_refs = as_int(n_data_refs, "n_data_refs")
-        block_index = as_int(block_index, "block index")
+        group_size = _as_int(group_size, f"group {group_idx}: group size")
+        n_data_refs = _as_int(n_data_refs, f"group {group_idx}: n_data_refs")
+        block_index = _as_int(block_index, f"group {group_idx}: block index")
         if min(group_size, n_data_refs, block_index) < 0:
-            raise SpecError(f"group {group_idx}: negative count or index")
+            raise SpecError(
+                f"group {group_idx}: group size {group_size}, n_data_refs "
+                f"{n_data_refs} and block index {block_index} must be >= 0"
+            )
         if group_size == 0:
             continue
         skip = block_index % blocks_per_chunk
@@ -149,19 +188,23 @@ def plan_transfer(
     """
     if type(store) is not bool:
         raise InputTypeError(f"store must be True or False, got {store!r}")
-    layout = read_layout(kv_caches)
-    offloaded = offloaded_rows(
-        layout, read_offloaded(offloaded_tensors, blocks_per_chunk)
+    layout = _read_kv_caches(kv_caches)
+    offloaded = _offloaded_of_refs(
+        layout, _read_offloaded(offloaded_tensors, blocks_per_chunk)
     )
     # A numpy uint64 would turn int64 // uint64 into float64: use a Python int.
-    blocks_per_chunk = as_int(blocks_per_chunk, "blocks_per_chunk")
+    blocks_per_chunk = _as_int(blocks_per_chunk, "blocks_per_chunk")
+    chunk_ids = _block_ids(offloaded_ids, "offloaded_ids")
     device_ptrs = resolve_device_pointers(device_spec, kv_caches)
-    chunk_ids = as_block_ids(offloaded_ids, "offloaded_ids")
     groups = list(iter_pointer_groups(device_ptrs, blocks_per_chunk))
-    if len(chunk_ids) != sum(info.n_chunks for info in groups):
+    chunks_per_group = [0] * len(layout)
+    for info in groups:
+        chunks_per_group[info.group_idx] = info.n_chunks
+    if len(chunk_ids) != sum(chunks_per_group):
         raise OffloadedIdError(
             f"there are {len(chunk_ids)} offloaded ids, but the groups span "
-            f"{sum(info.n_chunks for info in groups)} chunks"
+            f"{chunks_per_group} chunks (blocks_per_chunk={blocks_per_chunk}): "
+            f"{sum(chunks_per_group)} in all"
         )
 
     n_ops = len(device_ptrs.ptrs)
@@ -182,9 +225,11 @@ def plan_transfer(
             if out_of_range.any():
                 position = int(np.argmax(out_of_range))
                 value = int(group_chunks[position])
+                tensor_idx = layout[info.group_idx][d].tensor_idx
                 raise OffloadedIdError(
                     f"group {info.group_idx}, position {position}: offloaded id "
-                    f"{value} is out of range for ref {d}",
+                    f"{value} is out of range for ref {d}, whose offloaded tensor "
+                    f"{tensor_idx} has {geometry.num_chunks} chunks",
                     group=info.group_idx,
                     position=position,
                     value=value,
@@ -210,13 +255,15 @@ def coalesce(
     each descriptor is placed greedily, in order, in plain Python. A merged
     size must fit in uint64: no cap means a cap of 2**64 - 1.
     """
-    src = descriptor_array(src, "src")
-    dst = descriptor_array(dst, "dst")
-    sizes = descriptor_array(sizes, "sizes")
+    src = _descriptors(src, "src")
+    dst = _descriptors(dst, "dst")
+    sizes = _descriptors(sizes, "sizes")
     if not len(src) == len(dst) == len(sizes):
-        raise SpecError("src, dst and sizes differ in length")
+        raise SpecError(
+            f"src, dst and sizes have {len(src)}, {len(dst)} and {len(sizes)} entries"
+        )
     num_bytes = int(sizes.sum(dtype=np.uint64))
-    cap = None if max_run_bytes is None else as_int(max_run_bytes, "max_run_bytes")
+    cap = None if max_run_bytes is None else _as_int(max_run_bytes, "max_run_bytes")
     if cap is not None and cap < 1:
         raise SpecError(f"max_run_bytes must be >= 1, got {cap}")
     if cap is None and sizes.sum(dtype=np.float64) >= 2.0**62:
@@ -250,6 +297,265 @@ def coalesce(
         np.array(out_sizes, np.uint64),
         num_bytes,
     )
+
+
+# Reading the input: plain code of its own, worded as the compiled path's.
+
+
+def _as_int(value: Any, what: str) -> int:
+    """``value`` as a Python int: an int or anything with __index__, not a bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise InputTypeError(
+        f"{what} must be an integer, got {type(value).__name__} {value!r}"
+    )
+
+
+def _attributes(obj: Any, names: tuple[str, ...], what: str) -> tuple[Any, ...]:
+    """``obj``'s attributes ``names``; an InputTypeError names those it lacks."""
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        raise InputTypeError(
+            f"{what} must have the attributes {', '.join(names)}; "
+            f"{type(obj).__name__} has no {', '.join(missing)}"
+        )
+    return tuple(getattr(obj, name) for name in names)
+
+
+def _as_list(values: Any, what: str) -> list[Any]:
+    """A sequence (of tensors, refs, counts...) as a list; not a str or dict."""
+    if not isinstance(values, (str, bytes, dict)):
+        try:
+            return list(values)
+        except TypeError:
+            pass
+    raise InputTypeError(f"{what} must be a sequence, got {type(values).__name__}")
+
+
+def _tensor(tensor: Any, what: str) -> tuple[int, int, int, int]:
+    """(base pointer, row stride, rows, row bytes) of a numpy array or a tensor.
+
+    A numpy array is read through .ctypes.data, strides[0] and itemsize; any
+    other object must answer torch's data_ptr(), stride(0), element_size()
+    and shape (a torch tensor on any device, or a stand-in for one).
+    """
+    if isinstance(tensor, np.ndarray):
+        shape = tuple(tensor.shape)
+        base_ptr = tensor.ctypes.data
+        row_stride = tensor.strides[0] if shape else 0
+        element_size = tensor.itemsize
+    else:
+        try:
+            if not callable(getattr(tensor, "data_ptr", None)):
+                raise InputTypeError(
+                    f"{what} must be a torch tensor or a numpy array, "
+                    f"got {type(tensor).__name__}"
+                )
+            shape = tuple(
+                _as_int(n, f"{what}.shape[{d}]") for d, n in enumerate(tensor.shape)
+            )
+            base_ptr = _as_int(tensor.data_ptr(), f"{what}.data_ptr()")
+            element_size = _as_int(tensor.element_size(), f"{what}.element_size()")
+            stride = _as_int(tensor.stride(0), f"{what}.stride(0)") if shape else 0
+        except PtrresError:
+            raise
+        except Exception as exc:  # no storage, a broken proxy...
+            raise InputTypeError(
+                f"{what}: reading its shape, data_ptr(), element_size() and "
+                f"stride(0) failed ({type(exc).__name__}: {exc})"
+            ) from exc
+        row_stride = stride * element_size
+    if not shape:
+        raise LayoutError(f"{what} is 0-d; its first dimension must be blocks")
+    if min(shape) < 0 or element_size < 0:
+        raise LayoutError(
+            f"{what} has shape {shape} and element size {element_size}: "
+            "none may be negative"
+        )
+    if row_stride < 0:
+        raise LayoutError(f"{what} has a negative row stride ({row_stride} B)")
+    rows = shape[0]
+    row_bytes = math.prod(shape[1:]) * element_size
+    end = base_ptr + (rows - 1) * row_stride + row_bytes
+    if base_ptr < 0 or max(end, row_stride, rows) > ADDRESS_LIMIT:
+        raise LayoutError(
+            f"{what} at 0x{base_ptr:x} ({rows} rows of {row_bytes} B, "
+            f"{row_stride} B apart) does not lie between 0 and 2**63 - 1, "
+            "the addresses ptrres computes"
+        )
+    return base_ptr, row_stride, rows, row_bytes
+
+
+def _read_kv_caches(kv_caches: Any) -> list[list[Ref]]:
+    """For each group, its refs with their tensors' geometry, checked."""
+    tensors, group_data_refs = _attributes(
+        kv_caches, ("tensors", "group_data_refs"), "kv_caches"
+    )
+    geometries = []
+    for t, entry in enumerate(_as_list(tensors, "kv_caches.tensors")):
+        (tensor,) = _attributes(entry, ("tensor",), f"kv_caches.tensors[{t}]")
+        geometries.append(_tensor(tensor, f"tensors[{t}].tensor"))
+    layout = []
+    for group, refs in enumerate(_as_list(group_data_refs, "group_data_refs")):
+        group_refs = []
+        for d, ref in enumerate(_as_list(refs, f"group_data_refs[{group}]")):
+            where = f"group {group}, ref {d}"
+            raw_idx, raw_page = _attributes(
+                ref, ("tensor_idx", "page_size_bytes"), where
+            )
+            tensor_idx = _as_int(raw_idx, f"{where}: tensor_idx")
+            if not 0 <= tensor_idx < len(geometries):
+                raise LayoutError(
+                    f"{where}: tensor_idx {tensor_idx} is out of range "
+                    f"(there are {len(geometries)} tensors)"
+                )
+            page = _as_int(raw_page, f"{where}: page_size_bytes")
+            base_ptr, row_stride, rows, row_bytes = geometries[tensor_idx]
+            page_error = f"{where} (tensor {tensor_idx}): page_size_bytes {page}"
+            if page < 0:
+                raise LayoutError(f"{page_error} is negative")
+            if page > row_stride:
+                raise LayoutError(
+                    f"{page_error} is larger than the row stride ({row_stride} B)"
+                )
+            if page > row_bytes:
+                raise LayoutError(
+                    f"{page_error} is larger than a row ({row_bytes} B): the last "
+                    "block's page would end outside the tensor"
+                )
+            group_refs.append(Ref(tensor_idx, base_ptr, row_stride, page, rows))
+        layout.append(group_refs)
+    return layout
+
+
+def _read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[Offloaded]:
+    """The offloaded tensors (each as is, or as the .tensor of an entry)."""
+    bpc = _as_int(blocks_per_chunk, "blocks_per_chunk")
+    if not 1 <= bpc < 2**63:
+        raise LayoutError(f"blocks_per_chunk must be >= 1 and < 2**63, got {bpc}")
+    offloaded = []
+    for t, entry in enumerate(_as_list(tensors, "offloaded tensors")):
+        try:
+            if not hasattr(entry, "data_ptr") and hasattr(entry, "tensor"):
+                entry = entry.tensor
+        except Exception:  # _tensor() says what is wrong with it
+            pass
+        base_ptr, row_stride, rows, row_bytes = _tensor(
+            entry, f"offloaded tensors[{t}]"
+        )
+        if row_bytes % bpc:
+            raise LayoutError(
+                f"offloaded tensors[{t}]: a row of {row_bytes} B does not "
+                f"split into {bpc} sub-blocks"
+            )
+        if rows > 1 and row_stride < row_bytes:
+            raise LayoutError(
+                f"offloaded tensors[{t}]: rows of {row_bytes} B overlap "
+                f"(row stride {row_stride} B)"
+            )
+        offloaded.append(Offloaded(base_ptr, row_stride, row_bytes // bpc, rows))
+    return offloaded
+
+
+def _offloaded_of_refs(
+    layout: list[list[Ref]], offloaded: list[Offloaded]
+) -> list[Offloaded]:
+    """The offloaded tensor of every ref, in op order: its page must fit."""
+    of_refs = []
+    for group, refs in enumerate(layout):
+        for d, ref in enumerate(refs):
+            if ref.tensor_idx >= len(offloaded):
+                raise LayoutError(
+                    f"group {group}, ref {d}: tensor {ref.tensor_idx} has no "
+                    f"offloaded tensor (there are {len(offloaded)})"
+                )
+            tensor = offloaded[ref.tensor_idx]
+            if ref.page_size_bytes > tensor.sub_bytes:
+                raise LayoutError(
+                    f"group {group}, ref {d}: a page of {ref.page_size_bytes} B does "
+                    f"not fit in a sub-block of offloaded tensors[{ref.tensor_idx}] "
+                    f"({tensor.sub_bytes} B)"
+                )
+            of_refs.append(tensor)
+    return of_refs
+
+
+def _block_ids(values: Any, what: str) -> npt.NDArray[Any]:
+    """Ids as a 1-D int32 or int64 array (other integer dtypes become int64)."""
+    try:
+        ids = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InputTypeError(f"{what} is not an integer array: {exc}") from None
+    if ids.size == 0 and ids.dtype.kind == "f":
+        ids = ids.astype(np.int64)  # numpy reads [] as float64
+    if ids.dtype.kind not in "iu":
+        raise InputTypeError(f"{what} must be integers, got dtype {ids.dtype}")
+    if ids.ndim != 1:
+        raise InputTypeError(
+            f"{what} must be 1-D, got a {ids.ndim}-D array of shape {ids.shape}"
+        )
+    if ids.dtype not in ID_DTYPES:
+        if ids.dtype == np.uint64 and (ids > 2**63 - 1).any():
+            position = int(np.argmax(ids > 2**63 - 1))
+            raise InputTypeError(
+                f"{what}[{position}] = {int(ids[position])} does not fit in int64"
+            )
+        ids = ids.astype(np.int64)
+    return ids
+
+
+def _per_group(values: Any, what: str, entry: str, n_groups: int) -> npt.NDArray[Any]:
+    """One int >= 0 per group (group sizes, block indices), as int64."""
+    if isinstance(values, (str, bytes)) or values is None:
+        raise InputTypeError(f"{what} must be a sequence of ints, got {values!r}")
+    if isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
+        too_large = [v for v in values if not -(2**63) <= v < 2**63]
+        if too_large:
+            raise SpecError(f"{what} holds {too_large[0]}, which is too large")
+        array = np.array(values, np.int64)
+    else:
+        try:
+            array = np.asarray(values)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InputTypeError(f"{what} must be a sequence of ints: {exc}") from None
+        if array.ndim == 0:
+            raise InputTypeError(
+                f"{what} must be a sequence of ints, got {type(values).__name__}"
+            )
+        if array.ndim != 1:
+            raise InputTypeError(f"{what} must be 1-D, got shape {array.shape}")
+        if array.size == 0:
+            array = np.zeros(0, np.int64)
+        if array.dtype.kind not in "iu":
+            raise InputTypeError(f"{what} must be integers, got {values!r}")
+        if array.dtype == np.uint64 and int(array.max()) > 2**63 - 1:
+            raise SpecError(f"{what} holds {int(array.max())}, which is too large")
+        array = array.astype(np.int64)
+    if len(array) != n_groups:
+        raise SpecError(
+            f"{what} has {len(array)} entries but the KV caches have {n_groups} groups"
+        )
+    negative = np.flatnonzero(array < 0)
+    if len(negative):
+        group = int(negative[0])
+        raise SpecError(f"group {group}: {entry} {int(array[group])} is negative")
+    return array
+
+
+def _descriptors(values: Any, what: str) -> npt.NDArray[np.uint64]:
+    """Pointers or sizes: a 1-D int64 or uint64 numpy array, read as uint64."""
+    if not isinstance(values, np.ndarray):
+        raise InputTypeError(
+            f"{what} must be a numpy array, got {type(values).__name__}"
+        )
+    if values.dtype not in DESCRIPTOR_DTYPES:
+        raise InputTypeError(f"{what} must be int64 or uint64, got {values.dtype}")
+    if values.ndim != 1:
+        raise InputTypeError(f"{what} must be 1-D, got shape {values.shape}")
+    return values.astype(np.uint64)
 
 
 # ---------------------------------------------------------------------------

@@ -612,10 +612,10 @@ ONE_BLOCK = ptrres.GPULoadStoreSpec([1], [0, 1], [0, 0])
 
 
 def test_mapping_fields_must_be_integers() -> None:
-    table, layout = one_ref_layout(replace(GOOD, num_writers=2.0))
+    table, layout = one_ref_layout(replace(GOOD, num_writers=2.0))  # type: ignore[arg-type]
     with pytest.raises(ptrres.InputTypeError, match=r"mapping\.num_writers"):
         table.plan_transfer(ONE_BLOCK, layout, [0], store=True)
-    table, layout = one_ref_layout(replace(GOOD, runs=(object(),)))
+    table, layout = one_ref_layout(replace(GOOD, runs=(object(),)))  # type: ignore[arg-type]
     with pytest.raises(ptrres.InputTypeError, match="run 0 must have"):
         table.plan_transfer(ONE_BLOCK, layout, [0], store=True)
 
@@ -765,7 +765,9 @@ def test_a_bad_id_fails_as_in_the_reference_and_the_table_keeps_working(
             with pytest.raises(expected):
                 plan(bad.spec, bad.offloaded(), bad.offloaded_ids, store=store)
         else:
-            result = plan(bad.spec, bad.offloaded(), bad.offloaded_ids, store=store)
+            result: Any = plan(
+                bad.spec, bad.offloaded(), bad.offloaded_ids, store=store
+            )
             flat = result.expand() if plan_strided else result
             assert_same_plan(flat, expected, FLAT)
     good = table.plan_transfer(

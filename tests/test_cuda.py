@@ -39,7 +39,7 @@ def test_cuda_pointers_are_row_addresses(dtype: torch.dtype) -> None:
     )
     # Copy every op with the driver and compare with the rows torch reads.
     staging = torch.empty(page, dtype=torch.uint8, device="cuda")
-    cudart = torch.cuda.cudart()
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     for ptr, size, (t, b) in zip(
         device_ptrs.ptrs.tolist(),
         device_ptrs.sizes.tolist(),

@@ -21,7 +21,7 @@ RESOLVERS = {
 
 
 @pytest.fixture(params=list(RESOLVERS))
-def resolve(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def resolve(request: pytest.FixtureRequest):
     return RESOLVERS[request.param]
 
 
@@ -46,7 +46,7 @@ def good_spec() -> ptrres.GPULoadStoreSpec:
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
-def test_negative_block_id(resolve, kv, dtype) -> None:  # type: ignore[no-untyped-def]
+def test_negative_block_id(resolve, kv, dtype) -> None:
     spec = ptrres.GPULoadStoreSpec(np.array([1, 2, -1], dtype), [2, 1], [0, 0])
     with pytest.raises(
         ptrres.BlockIdError, match=r"group 1, position 0.*block id -1"
@@ -60,7 +60,7 @@ def test_negative_block_id(resolve, kv, dtype) -> None:  # type: ignore[no-untyp
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
-def test_block_id_past_the_tensor(resolve, kv, dtype) -> None:  # type: ignore[no-untyped-def]
+def test_block_id_past_the_tensor(resolve, kv, dtype) -> None:
     # 7 fits tensor 0 (10 blocks) but not tensor 1 (6 blocks), ref 1 of group 0.
     spec = ptrres.GPULoadStoreSpec(np.array([3, 7, 0], dtype), [2, 1], [0, 0])
     with pytest.raises(
@@ -74,7 +74,7 @@ def test_block_id_past_the_tensor(resolve, kv, dtype) -> None:  # type: ignore[n
     )
 
 
-def test_block_id_error_clears_out_buffers_and_keeps_the_rest(kv) -> None:  # type: ignore[no-untyped-def]
+def test_block_id_error_clears_out_buffers_and_keeps_the_rest(kv) -> None:
     ptrs = np.full(8, 5, np.int64)
     sizes = np.full(8, 5, np.uint64)
     spec = ptrres.GPULoadStoreSpec(np.array([3, 70, 0]), [2, 1], [0, 0])
@@ -101,7 +101,7 @@ def test_block_id_error_clears_out_buffers_and_keeps_the_rest(kv) -> None:  # ty
         ([2, 1], [0, -3], "group 1: block index -3 is negative"),
     ],
 )
-def test_inconsistent_spec(resolve, kv, group_sizes, block_indices, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_inconsistent_spec(resolve, kv, group_sizes, block_indices, pattern) -> None:
     spec = SimpleNamespace(
         block_ids=np.array([1, 2, 3]),
         group_sizes=group_sizes,
@@ -120,7 +120,7 @@ def test_inconsistent_spec(resolve, kv, group_sizes, block_indices, pattern) -> 
         (None, "sequence of ints"),
     ],
 )
-def test_group_sizes_that_are_not_ints(resolve, kv, group_sizes, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_group_sizes_that_are_not_ints(resolve, kv, group_sizes, pattern) -> None:
     spec = SimpleNamespace(
         block_ids=np.array([1, 2, 3]), group_sizes=group_sizes, block_indices=[0, 0]
     )
@@ -148,7 +148,7 @@ def test_group_sizes_that_are_not_ints(resolve, kv, group_sizes, pattern) -> Non
 )
 def test_block_ids_that_are_not_a_1d_integer_array(
     resolve, kv, block_ids, pattern
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     spec = SimpleNamespace(
         block_ids=block_ids, group_sizes=[2, 1], block_indices=[0, 0]
     )
@@ -157,7 +157,7 @@ def test_block_ids_that_are_not_a_1d_integer_array(
     assert isinstance(info.value, TypeError)
 
 
-def test_other_integer_dtypes_and_strided_ids_are_accepted(resolve, kv) -> None:  # type: ignore[no-untyped-def]
+def test_other_integer_dtypes_and_strided_ids_are_accepted(resolve, kv) -> None:
     expected = reference.resolve_device_pointers(good_spec(), kv)
     for block_ids in (
         np.array([1, 2, 3], np.uint8),
@@ -170,7 +170,7 @@ def test_other_integer_dtypes_and_strided_ids_are_accepted(resolve, kv) -> None:
         assert_same_pointers(resolve(spec, kv), expected)
 
 
-def test_tensor_idx_out_of_range(resolve, kv) -> None:  # type: ignore[no-untyped-def]
+def test_tensor_idx_out_of_range(resolve, kv) -> None:
     kv.group_data_refs[1].append(ptrres.CanonicalKVCacheRef(2, 8))
     with pytest.raises(
         ptrres.LayoutError, match="group 1, ref 1: tensor_idx 2 is out of range"
@@ -189,13 +189,13 @@ def test_tensor_idx_out_of_range(resolve, kv) -> None:  # type: ignore[no-untype
         (1.5, "page_size_bytes must be an integer"),
     ],
 )
-def test_page_size_outside_the_row(resolve, kv, page_size, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_page_size_outside_the_row(resolve, kv, page_size, pattern) -> None:
     kv.group_data_refs[0][1] = ptrres.CanonicalKVCacheRef(1, page_size)
     with pytest.raises((ptrres.LayoutError, ptrres.InputTypeError), match=pattern):
         resolve(good_spec(), kv)
 
 
-def test_page_wider_than_a_padded_row(resolve) -> None:  # type: ignore[no-untyped-def]
+def test_page_wider_than_a_padded_row(resolve) -> None:
     """A page within the stride but past the row's elements would leave the tensor."""
     tensor = random_tensor(4, 8, 4, torch.int8, 0)  # 8-byte rows, 12-byte stride
     kv = ptrres.CanonicalKVCaches(
@@ -206,7 +206,7 @@ def test_page_wider_than_a_padded_row(resolve) -> None:  # type: ignore[no-untyp
         resolve(ptrres.GPULoadStoreSpec([3]), kv)
 
 
-def test_tensors_that_are_not_tensors(resolve, kv) -> None:  # type: ignore[no-untyped-def]
+def test_tensors_that_are_not_tensors(resolve, kv) -> None:
     kv.tensors[1] = ptrres.CanonicalKVCacheTensor([[1, 2]], 16)
     with pytest.raises(
         ptrres.InputTypeError,
@@ -249,7 +249,7 @@ def test_tensors_that_are_not_tensors(resolve, kv) -> None:  # type: ignore[no-u
         ),
     ],
 )
-def test_bad_out_buffers(kv, buffer, error, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_bad_out_buffers(kv, buffer, error, pattern) -> None:
     table = ptrres.PointerTable(kv)
     with pytest.raises(error, match=pattern):
         table.resolve(good_spec(), out=(buffer, np.zeros(5, np.int64)))
@@ -263,7 +263,7 @@ def test_bad_out_buffers(kv, buffer, error, pattern) -> None:  # type: ignore[no
     )
 
 
-def test_read_only_out_buffer(kv) -> None:  # type: ignore[no-untyped-def]
+def test_read_only_out_buffer(kv) -> None:
     sizes = np.zeros(5, np.uint64)
     sizes.flags.writeable = False
     with pytest.raises(ptrres.OutBufferError, match=r"out\[1\] \(sizes\) is read-only"):
@@ -271,7 +271,7 @@ def test_read_only_out_buffer(kv) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [0, -2, 1.5, "4"])
-def test_bad_blocks_per_chunk(kv, blocks_per_chunk) -> None:  # type: ignore[no-untyped-def]
+def test_bad_blocks_per_chunk(kv, blocks_per_chunk) -> None:
     device_ptrs = ptrres.resolve_device_pointers(good_spec(), kv)
     for iterate in (ptrres.iter_pointer_groups, reference.iter_pointer_groups):
         with pytest.raises(
@@ -296,7 +296,7 @@ def test_every_error_is_a_ptrres_error_and_a_value_or_type_error() -> None:
 
 
 @pytest.mark.parametrize("missing", ["block_ids", "group_sizes", "block_indices"])
-def test_spec_without_an_attribute(resolve, kv, missing) -> None:  # type: ignore[no-untyped-def]
+def test_spec_without_an_attribute(resolve, kv, missing) -> None:
     """Was AttributeError; a spec-like object lacking a field is a type error."""
     fields = {"block_ids": [1, 2, 3], "group_sizes": [2, 1], "block_indices": [0, 0]}
     del fields[missing]
@@ -337,13 +337,13 @@ def test_spec_without_an_attribute(resolve, kv, missing) -> None:  # type: ignor
         ),
     ],
 )
-def test_layouts_without_attributes_or_sequences(resolve, kv_caches, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_layouts_without_attributes_or_sequences(resolve, kv_caches, pattern) -> None:
     """Were AttributeError and TypeError from deep inside; now named."""
     with pytest.raises(ptrres.InputTypeError, match=pattern):
         resolve(good_spec(), kv_caches)
 
 
-def test_device_pointers_without_attributes_or_sequences(kv) -> None:  # type: ignore[no-untyped-def]
+def test_device_pointers_without_attributes_or_sequences(kv) -> None:
     device_ptrs = ptrres.resolve_device_pointers(good_spec(), kv)
     offloaded = ptrres.OffloadedLayout([np.zeros((4, 16), np.int8)] * 2, 1)
     table = ptrres.PointerTable(kv)
@@ -407,12 +407,12 @@ def one_tensor_layout(tensor: Any) -> ptrres.CanonicalKVCaches:
         (SimpleNamespace(data_ptr=4096), ptrres.InputTypeError, "must be a torch"),
     ],
 )
-def test_tensors_with_odd_geometry(resolve, tensor, error, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_tensors_with_odd_geometry(resolve, tensor, error, pattern) -> None:
     with pytest.raises(error, match=pattern):
         resolve(ptrres.GPULoadStoreSpec([0]), one_tensor_layout(tensor))
 
 
-def test_tensor_without_storage(resolve) -> None:  # type: ignore[no-untyped-def]
+def test_tensor_without_storage(resolve) -> None:
     """Was RuntimeError (torch: "Cannot access data pointer of Tensor...")."""
     sparse = torch.zeros(4, 8).to_sparse()
     with pytest.raises(
@@ -424,7 +424,7 @@ def test_tensor_without_storage(resolve) -> None:  # type: ignore[no-untyped-def
         ptrres.OffloadedLayout([sparse], 1)
 
 
-def test_tensor_entry_without_a_tensor(resolve) -> None:  # type: ignore[no-untyped-def]
+def test_tensor_entry_without_a_tensor(resolve) -> None:
     kv = SimpleNamespace(tensors=[SimpleNamespace()], group_data_refs=[[]])
     with pytest.raises(
         ptrres.InputTypeError, match=r"kv_caches.tensors\[0\] must have the attrib"
@@ -433,7 +433,7 @@ def test_tensor_entry_without_a_tensor(resolve) -> None:  # type: ignore[no-unty
 
 
 @pytest.mark.parametrize("container", [set, dict.fromkeys, iter])
-def test_group_sizes_in_an_unordered_container(resolve, kv, container) -> None:  # type: ignore[no-untyped-def]
+def test_group_sizes_in_an_unordered_container(resolve, kv, container) -> None:
     """A set or dict of the right length passed the fast path, in any order."""
     spec = SimpleNamespace(
         block_ids=[1, 2, 3], group_sizes=container([2, 1]), block_indices=[0, 0]
@@ -449,7 +449,7 @@ def test_group_sizes_in_an_unordered_container(resolve, kv, container) -> None: 
     "out",
     [3, (np.zeros(5, np.int64),), [np.zeros(5, np.int64)] * 4, None],
 )
-def test_out_that_is_not_one_buffer_per_output(kv, out) -> None:  # type: ignore[no-untyped-def]
+def test_out_that_is_not_one_buffer_per_output(kv, out) -> None:
     """Were IndexError (a short tuple) and TypeError (not subscriptable)."""
     table = ptrres.PointerTable(kv)
     if out is None:  # a pair where a plan needs three
@@ -465,7 +465,7 @@ def test_out_that_is_not_one_buffer_per_output(kv, out) -> None:  # type: ignore
         ptrres.coalesce(*descriptors, out=out)
 
 
-def test_out_buffers_that_share_memory(kv) -> None:  # type: ignore[no-untyped-def]
+def test_out_buffers_that_share_memory(kv) -> None:
     """ptrs written over sizes (or over the ids being read) gave wrong answers,
     and an AssertionError when the overwritten ids then looked out of range."""
     table = ptrres.PointerTable(kv)
@@ -525,7 +525,7 @@ def test_reference_with_extreme_numbers() -> None:
 
 
 @pytest.mark.parametrize("block_id", [2**62, 2**63 - 1, -(2**63)])
-def test_extreme_block_ids_are_refused_without_overflow(resolve, kv, block_id) -> None:  # type: ignore[no-untyped-def]
+def test_extreme_block_ids_are_refused_without_overflow(resolve, kv, block_id) -> None:
     """Without the JIT, the kernel's pointer for such an id overflowed int64
     (a RuntimeWarning, an error under this suite) before the id was refused."""
     spec = ptrres.GPULoadStoreSpec(np.array([1, block_id, 3]), [2, 1], [0, 0])
@@ -545,7 +545,7 @@ def test_descriptors_at_the_top_of_the_address_space() -> None:
         assert merged.sizes.tolist() == [64, 64, 64]
 
 
-def test_group_sizes_that_wrap_around_2_to_the_64(resolve) -> None:  # type: ignore[no-untyped-def]
+def test_group_sizes_that_wrap_around_2_to_the_64(resolve) -> None:
     """Sizes summed in uint64 wrapped to the number of ids: the kernel then
     read ids before the array's start, and failed an assert."""
     tensor = random_tensor(8, 16, 0, torch.int8, 0)
@@ -557,7 +557,8 @@ def test_group_sizes_that_wrap_around_2_to_the_64(resolve) -> None:  # type: ign
     spec = ptrres.GPULoadStoreSpec(np.array([1, 2]), [big, big, 4], [0, 0, 0])
     with pytest.raises(ptrres.SpecError, match="sum to 18446744073709551618 but"):
         resolve(spec, kv)
-    spec.group_sizes = np.array([big, big, 4])  # the slow path's own sum
+    # An array (not the tuple the type says): the slow path's own sum.
+    spec.group_sizes = np.array([big, big, 4])  # type: ignore[assignment]
     with pytest.raises(ptrres.SpecError, match="but there are 2 block ids"):
         resolve(spec, kv)
 
@@ -593,7 +594,7 @@ def test_offloaded_layout_cannot_be_changed() -> None:
     )
     offloaded = ptrres.OffloadedLayout([np.zeros((4, 32), np.int8)], 2)
     with pytest.raises(AttributeError, match="OffloadedLayout is read-only"):
-        offloaded.blocks_per_chunk = 4  # type: ignore[misc]
+        offloaded.blocks_per_chunk = 4
     with pytest.raises(AttributeError, match="read-only"):
         del offloaded.geometries
     spec = ptrres.GPULoadStoreSpec([1, 2, 3, 4])
@@ -603,7 +604,7 @@ def test_offloaded_layout_cannot_be_changed() -> None:
 
 
 @pytest.mark.parametrize("cap", [2**63, 2**63 + 8, 2**64 - 2])
-def test_caps_of_2_to_the_63_and_more_are_kept(cap) -> None:  # type: ignore[no-untyped-def]
+def test_caps_of_2_to_the_63_and_more_are_kept(cap) -> None:
     """Every cap of 2**63 or more meant no cap at all."""
     src = np.array([0, 64], np.uint64)
     dst = np.array([2**20, 2**20 + 64], np.uint64)
@@ -617,7 +618,7 @@ def test_caps_of_2_to_the_63_and_more_are_kept(cap) -> None:  # type: ignore[no-
 
 
 @pytest.mark.parametrize("index", [2**63, 2**64, 2**100])
-def test_block_index_too_large_for_int64(resolve, kv, index) -> None:  # type: ignore[no-untyped-def]
+def test_block_index_too_large_for_int64(resolve, kv, index) -> None:
     """The fast path took any Python int >= 0 as a block index, which a plan
     then could not convert (OverflowError); the reference refused it."""
     spec = ptrres.GPULoadStoreSpec([1, 2, 3], [2, 1], [0, index])
@@ -632,13 +633,14 @@ def test_block_index_too_large_for_int64(resolve, kv, index) -> None:  # type: i
         )
 
 
-def test_reference_refuses_what_ptrres_refuses(kv) -> None:  # type: ignore[no-untyped-def]
+def test_reference_refuses_what_ptrres_refuses(kv) -> None:
     """Each bad input, through ptrres and through the reference: the same error."""
-    fields = vars(ptrres.resolve_device_pointers(good_spec(), kv))
-    for changed, pattern in [
-        ({"block_indices": (0,)}, "have 2, 2 and 1 entries|differ in length"),
+    fields: dict[str, Any] = vars(ptrres.resolve_device_pointers(good_spec(), kv))
+    changes: list[tuple[dict[str, Any], str]] = [
+        ({"block_indices": (0,)}, "have 2, 2 and 1 entries"),
         ({"group_block_counts": (2, -1)}, "group 1: "),
-    ]:
+    ]
+    for changed, pattern in changes:
         device_ptrs = SimpleNamespace(**{**fields, **changed})
         for iterate in (ptrres.iter_pointer_groups, reference.iter_pointer_groups):
             with pytest.raises(ptrres.SpecError, match=pattern):
@@ -646,11 +648,12 @@ def test_reference_refuses_what_ptrres_refuses(kv) -> None:  # type: ignore[no-u
 
     tensors = [np.zeros((4, 16), np.int8)] * 2
     table = ptrres.PointerTable(kv)
-    for ids, store, error, pattern in [
+    cases: list[tuple[Any, Any, type[Exception], str]] = [
         ([0, 1, 2], 1, ptrres.InputTypeError, "store must be True or False"),
         ([0, 1], True, ptrres.OffloadedIdError, "there are 2 offloaded ids"),
         ([0, 4, 2], True, ptrres.OffloadedIdError, "position 1: offloaded id 4"),
-    ]:
+    ]
+    for ids, store, error, pattern in cases:
         with pytest.raises(error, match=pattern):
             table.plan_transfer(
                 good_spec(), ptrres.OffloadedLayout(tensors, 1), ids, store=store
@@ -697,7 +700,7 @@ SPEC_FIELDS = {"block_ids": [1, 2, 3], "group_sizes": [2, 1], "block_indices": [
 )
 def test_spec_fields_numpy_reads_oddly(
     resolve, kv, field, value, error, pattern
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Ragged, 2-D or too large: each field is named."""
     spec = SimpleNamespace(**{**SPEC_FIELDS, field: value})
     with pytest.raises(error, match=pattern):
@@ -708,7 +711,7 @@ def test_spec_fields_numpy_reads_oddly(
     assert len(resolve(spec, kv).ptrs) == 5  # any integer dtype does
 
 
-def test_no_groups_at_all(resolve) -> None:  # type: ignore[no-untyped-def]
+def test_no_groups_at_all(resolve) -> None:
     kv = ptrres.CanonicalKVCaches([], [])
     spec = SimpleNamespace(
         block_ids=[], group_sizes=np.array([], int), block_indices=()
@@ -739,7 +742,7 @@ def test_offloaded_entry_that_cannot_say_what_it_holds() -> None:
         ptrres.OffloadedLayout([BrokenProxy()], 1)
 
 
-def test_inputs_that_take_the_long_way_but_are_fine(kv) -> None:  # type: ignore[no-untyped-def]
+def test_inputs_that_take_the_long_way_but_are_fine(kv) -> None:
     """long long buffers (int64, but not numpy's int64 dtype object), offloaded
     tensors given as CanonicalKVCacheTensor, an empty group in a count error."""
     assert np.dtype(np.longlong) == np.int64
@@ -756,10 +759,12 @@ def test_inputs_that_take_the_long_way_but_are_fine(kv) -> None:  # type: ignore
         )
 
 
-def test_out_may_be_the_rows_of_one_2d_buffer(kv) -> None:  # type: ignore[no-untyped-def]
+def test_out_may_be_the_rows_of_one_2d_buffer(kv) -> None:
     """One pinned (2, n) tensor's numpy view serves as ptrs and sizes."""
     pinned = torch.zeros(2, 8, dtype=torch.int64)
-    device_ptrs = ptrres.PointerTable(kv).resolve(good_spec(), out=pinned.numpy())
+    # resolve() takes the rows of a 2-D array, which its out type leaves out.
+    rows: Any = pinned.numpy()
+    device_ptrs = ptrres.PointerTable(kv).resolve(good_spec(), out=rows)
     assert_same_pointers(
         device_ptrs, reference.resolve_device_pointers(good_spec(), kv)
     )
@@ -767,7 +772,7 @@ def test_out_may_be_the_rows_of_one_2d_buffer(kv) -> None:  # type: ignore[no-un
     assert pinned[1, :5].tolist() == device_ptrs.sizes.tolist()
 
 
-def test_blocks_per_chunk_past_int64(kv) -> None:  # type: ignore[no-untyped-def]
+def test_blocks_per_chunk_past_int64(kv) -> None:
     """With no offloaded rows to divide, any blocks_per_chunk passed, and the
     plan kernel could not take 2**63 (OverflowError); found by the long run."""
     for bpc in (2**63, 2**64):
@@ -777,7 +782,7 @@ def test_blocks_per_chunk_past_int64(kv) -> None:  # type: ignore[no-untyped-def
             reference.plan_transfer(good_spec(), kv, [], bpc, [], store=True)
 
 
-def test_device_pointer_counts_that_are_arrays(kv) -> None:  # type: ignore[no-untyped-def]
+def test_device_pointer_counts_that_are_arrays(kv) -> None:
     """Refs per group given as a 2-D array compared elementwise with the table's
     ints: numpy's 'truth value of an array is ambiguous' ValueError."""
     device_ptrs = ptrres.resolve_device_pointers(good_spec(), kv)

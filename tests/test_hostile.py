@@ -17,6 +17,7 @@ HYPOTHESIS_PROFILE=long runs 100_000 examples per test.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
@@ -82,9 +83,16 @@ NOT_INTS = [
 
 def numpy_ints() -> st.SearchStrategy[Any]:
     """Numpy integer scalars of every width, with their extreme values."""
-    return st.sampled_from(
-        [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.uint64]
-    ).flatmap(
+    dtypes: list[Any] = [
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint32,
+        np.uint64,
+    ]
+    return st.sampled_from(dtypes).flatmap(
         lambda dtype: st.integers(
             int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)
         ).map(dtype)
@@ -365,9 +373,26 @@ def hostile_layouts(draw: Any, kv: ptrres.CanonicalKVCaches) -> Any:
 
 
 @st.composite
+def one_bad_id(draw: Any, ids: np.ndarray) -> np.ndarray:
+    """ids (int32 or int64) with one of them (if any) out of every range."""
+    ids = ids.copy()
+    if len(ids):
+        bad = draw(st.sampled_from([-1, -(2**31), 2**31 - 1, 1000]))
+        ids[draw(st.integers(0, len(ids) - 1))] = bad
+    return ids
+
+
+@st.composite
 def hostile_specs(draw: Any, spec: ptrres.GPULoadStoreSpec) -> Any:
-    if not draw(st.integers(0, 2)):
+    """The spec; or with one id out of range, and nothing else wrong; or with
+    some of its fields corrupted."""
+    choice = draw(st.integers(0, 3))
+    if choice == 0:
         return spec
+    if choice == 1:
+        return ptrres.GPULoadStoreSpec(
+            draw(one_bad_id(spec.block_ids)), spec.group_sizes, spec.block_indices
+        )
     return namespace(
         block_ids=maybe(draw, spec.block_ids, arrays_like(spec.block_ids.tolist())),
         group_sizes=maybe(
@@ -432,9 +457,11 @@ def out_buffers(draw: Any, n_ops: int, count: int) -> Guarded:
         if kind == "none":
             buffers.append(None)
             continue
-        dtype = {"int32": np.int32, "float64": np.float64, "big-endian": ">i8"}.get(
-            kind, draw(st.sampled_from([np.int64, np.uint64]))
-        )
+        dtype: Any = {
+            "int32": np.int32,
+            "float64": np.float64,
+            "big-endian": ">i8",
+        }.get(kind, draw(st.sampled_from([np.int64, np.uint64])))
         factor = 2 if kind in ("2-d", "strided") else 1
         parent = np.full(length * factor + 2 * GUARD + 1, 77, dtype)
         if kind == "unaligned":
@@ -468,7 +495,7 @@ def out_buffers(draw: Any, n_ops: int, count: int) -> Guarded:
 
 def snapshot(*objects: Any) -> list[tuple[Any, bytes]]:
     """The bytes of every numpy array or CPU tensor among objects (one level deep)."""
-    found = []
+    found: list[tuple[Any, bytes]] = []
     for obj in objects:
         items = obj if isinstance(obj, (list, tuple)) else [obj]
         for item in items:
@@ -539,23 +566,128 @@ def arrays_of(result: Any) -> tuple[Any, ...]:
     return tuple(result)
 
 
-def assert_same(actual: Outcome, expected: Outcome, *, may_fail: bool = False) -> None:
-    """Both failed, or both gave the same answer (or, if may_fail, actual failed)."""
+def assert_same(
+    actual: Outcome,
+    expected: Outcome,
+    *,
+    out_valid: bool = True,
+    same_class: bool = True,
+) -> None:
+    """Both raised the same error (see assert_same_error), or both gave the
+    same answer.
+
+    With out_valid False, the out= buffers are ones ptrres must refuse: it
+    must then fail (with any of its errors) whatever the reference did.
+    """
+    if not out_valid:
+        assert actual.error is not None, (
+            f"ptrres took out= buffers it must refuse, and returned {actual.value!r}"
+        )
+        return
     if expected.error is not None:
         assert actual.error is not None, (
             f"ptrres returned {actual.value!r} where the reference raised "
             f"{expected.error!r}"
         )
+        assert_same_error(actual.error, expected.error, same_class=same_class)
         return
-    if actual.error is not None:
-        assert may_fail, (
-            f"ptrres raised {actual.error!r} where the reference returned "
-            f"{expected.value!r}"
-        )
-        return
+    assert actual.error is None, (
+        f"ptrres raised {actual.error!r} where the reference returned "
+        f"{expected.value!r}"
+    )
     assert arrays_of(actual.value) == arrays_of(expected.value), (
         f"ptrres returned {actual.value!r}, the reference {expected.value!r}"
     )
+
+
+ID_ERRORS = (ptrres.BlockIdError, ptrres.OffloadedIdError)
+
+
+def assert_same_error(
+    actual: BaseException, expected: BaseException, *, same_class: bool = True
+) -> None:
+    """The same error: the same class and message and, for an id, the same
+    group, position and value.
+
+    With same_class False (several parts of a call may be wrong, and ptrres
+    may check them in another order than the reference), only an id error
+    must be the same on both sides: every other check passed for it.
+    An expected error without a message (an oracle's) is not judged by it.
+    """
+    either_names_an_id = isinstance(actual, ID_ERRORS) or isinstance(
+        expected, ID_ERRORS
+    )
+    if not same_class and not either_names_an_id:
+        return
+    assert type(actual) is type(expected), (
+        f"ptrres raised {actual!r} where the reference raised {expected!r}"
+    )
+    if isinstance(expected, ID_ERRORS):
+        for name in ("group", "position", "value"):
+            assert getattr(actual, name) == getattr(expected, name), (
+                f"ptrres raised {actual!r} where the reference raised "
+                f"{expected!r}: they name different {name}s"
+            )
+    if str(expected):
+        assert str(actual) == str(expected)
+
+
+# The dtypes ptrres writes descriptors to (native byte order).
+OUT_DTYPES = (np.dtype(np.int64), np.dtype(np.uint64))
+
+
+def out_is_valid(out: Any, count: int, n_ops: int | None) -> bool:
+    """Whether ptrres must take these out= buffers for a call of n_ops ops.
+
+    None (allocate) is valid; otherwise a tuple or list of ``count`` 1-D
+    int64 or uint64 numpy arrays, each writable, aligned and contiguous, with
+    at least n_ops entries, whose first n_ops entries share no byte. With
+    n_ops None (the call fails before the op count is known), the length is
+    not judged, and the whole buffers must be apart.
+    """
+    if out is None:
+        return True
+    if type(out) not in (tuple, list) or len(out) != count:
+        return False
+    for buffer in out:
+        if type(buffer) is not np.ndarray or buffer.dtype not in OUT_DTYPES:
+            return False
+        if buffer.ndim != 1 or not buffer.flags.carray:
+            return False
+        if n_ops is not None and len(buffer) < n_ops:
+            return False
+    used = [buffer[:n_ops] for buffer in out]
+    return not any(
+        np.shares_memory(a, b) for i, a in enumerate(used) for b in used[i + 1 :]
+    )
+
+
+def is_short_out_error(error: BaseException | None) -> bool:
+    """An out= buffer refused as too short (the op count decides)."""
+    return isinstance(error, ptrres.OutBufferError) and bool(
+        re.search(r"holds \d+ entries but this transfer has \d+ ops", str(error))
+    )
+
+
+def assert_same_with_out(
+    actual: Outcome,
+    expected: Outcome,
+    out: Any,
+    count: int,
+    n_ops: int | None,
+    *,
+    same_class: bool = True,
+) -> None:
+    """assert_same for a call given out= buffers; n_ops None if the reference failed.
+
+    A failing reference leaves the op count unknown: a valid buffer may then
+    still be too short, and ptrres may say so before it finds the bad input.
+    """
+    short = n_ops is None and is_short_out_error(actual.error)
+    if short and out_is_valid(out, count, None):
+        return
+    valid = out_is_valid(out, count, n_ops)
+    assert_same(actual, expected, out_valid=valid, same_class=same_class)
 
 
 # A layout and spec that must keep working after every hostile call.
@@ -594,8 +726,8 @@ def test_hostile_resolve(case: PlanCase, data: st.DataObject) -> None:
     if table.error is None:
         assert_same(call(table.value.resolve, spec), expected)
         with_out = call(table.value.resolve, spec, out=guarded.out)
-        assert_same(with_out, expected, may_fail=guarded.out is not None)
         n_ops = None if expected.error else len(expected.value.ptrs)
+        assert_same_with_out(with_out, expected, guarded.out, 2, n_ops)
         guarded.check(n_ops)
     else:
         assert expected.error is not None
@@ -606,7 +738,7 @@ def test_hostile_resolve(case: PlanCase, data: st.DataObject) -> None:
 
 @st.composite
 def hostile_device_pointers(draw: Any, device_ptrs: ptrres.DevicePointers) -> Any:
-    fields = {
+    fields: dict[str, Any] = {
         "ptrs": device_ptrs.ptrs,
         "sizes": device_ptrs.sizes,
         "group_block_counts": device_ptrs.group_block_counts,
@@ -673,19 +805,25 @@ def expected_plan(
     merge: Any,
     max_run_bytes: Any,
 ) -> Outcome:
-    """The reference's plan, coalesced the same way when asked to."""
+    """The reference's plan, coalesced the same way when asked to.
+
+    ptrres checks store, coalesce and max_run_bytes, in that order, before it
+    looks at a single id: so does this, with ptrres' wording for coalesce.
+    """
 
     def plan() -> ptrres.TransferPlan:
+        if type(store) is bool:  # else the reference refuses store first
+            if type(merge) is not bool:
+                raise ptrres.InputTypeError(
+                    f"coalesce must be True or False, got {merge!r}"
+                )
+            empty = np.zeros(0, np.uint64)
+            reference.coalesce(empty, empty, empty, max_run_bytes=max_run_bytes)
         result = reference.plan_transfer(spec, kv, tensors, bpc, ids, store=store)
-        empty = np.zeros(0, np.uint64)
-        # ptrres checks max_run_bytes whether or not it merges.
-        reference.coalesce(empty, empty, empty, max_run_bytes=max_run_bytes)
-        if merge is True:
+        if merge:
             return reference.coalesce(
                 result.src, result.dst, result.sizes, max_run_bytes=max_run_bytes
             )
-        if merge is not False:
-            raise TypeError("coalesce is not a bool")
         return result
 
     return call_reference(plan)
@@ -698,7 +836,9 @@ def test_hostile_plan_transfer(case: PlanCase, data: st.DataObject) -> None:
     tensors, bpc = data.draw(hostile_offloaded(case), "offloaded")
     ids = data.draw(
         st.one_of(
-            st.just(case.offloaded_ids), arrays_like(case.offloaded_ids.tolist())
+            st.just(case.offloaded_ids),
+            one_bad_id(case.offloaded_ids),
+            arrays_like(case.offloaded_ids.tolist()),
         ),
         "offloaded_ids",
     )
@@ -719,12 +859,16 @@ def test_hostile_plan_transfer(case: PlanCase, data: st.DataObject) -> None:
     else:
         kwargs = {"store": store, "coalesce": merge, "max_run_bytes": max_run_bytes}
         plan = table.value.plan_transfer
-        assert_same(call(plan, spec, offloaded.value, ids, **kwargs), expected)
+        actual = call(plan, spec, offloaded.value, ids, **kwargs)
+        assert_same(actual, expected, same_class=False)
         with_out = call(plan, spec, offloaded.value, ids, out=guarded.out, **kwargs)
-        assert_same(with_out, expected, may_fail=guarded.out is not None)
         # Unmerged, the plan has one op per resolved pointer: no more is written.
         resolved = call_reference(reference.resolve_device_pointers, spec, kv)
-        guarded.check(None if expected.error else len(resolved.value.ptrs))
+        n_ops = None if expected.error else len(resolved.value.ptrs)
+        assert_same_with_out(
+            with_out, expected, guarded.out, 3, n_ops, same_class=False
+        )
+        guarded.check(n_ops)
     assert_unchanged(inputs)
     assert_still_working()
 
@@ -748,6 +892,72 @@ def block_ids_behind(device_ptrs: Any, kv: ptrres.CanonicalKVCaches) -> list[int
     return ids
 
 
+def first_bad_pointer(
+    ptrs: np.ndarray, sizes: np.ndarray, counts: Any, kv: ptrres.CanonicalKVCaches
+) -> tuple[int, int, int] | None:
+    """The (group, position, pointer) of the first op that is not a block of its
+    ref, the same block as ref 0's, with the ref's page as its size; or None.
+
+    Ref 0's pointer names the group's block: (ptr - base) / row stride.
+    """
+    op = 0
+    for group, (n, refs) in enumerate(zip(counts, kv.group_data_refs)):
+        blocks = [-1] * n
+        for d, ref in enumerate(refs):
+            tensor = kv.tensors[ref.tensor_idx].tensor
+            base = tensor.data_ptr()
+            stride = tensor.stride(0) * tensor.element_size()
+            for k in range(n):
+                ptr = int(ptrs[op + k]) % 2**64
+                if d == 0 and ptr >= base:
+                    blocks[k] = (ptr - base) // stride
+                if not (
+                    0 <= blocks[k] < tensor.shape[0]
+                    and ptr == base + blocks[k] * stride
+                    and int(sizes[op + k]) % 2**64 == ref.page_size_bytes
+                ):
+                    return group, k, ptr
+            op += n
+    return None
+
+
+def expected_from_pointers(
+    hostile: Any, device_ptrs: ptrres.DevicePointers, kv: ptrres.CanonicalKVCaches
+) -> Outcome | None:
+    """What plan_from_device_pointers must do with hostile pointers, or None.
+
+    Known when the group counts are the resolved ones and ptrs and sizes are
+    1-D int64 or uint64 arrays (perhaps with an entry changed): too few or
+    too many ops are a SpecError, and a pointer that is not its block a
+    DevicePointerError naming it (its message is not judged). Otherwise it is
+    ptrres' answer to judge (None).
+    """
+    fields = ("group_block_counts", "group_data_ref_counts", "block_indices")
+    if any(
+        getattr(hostile, name, None) is not getattr(device_ptrs, name)
+        for name in fields
+    ):
+        return None
+    ptrs, sizes = getattr(hostile, "ptrs", None), getattr(hostile, "sizes", None)
+    if not all(
+        type(array) is np.ndarray and array.dtype in OUT_DTYPES and array.ndim == 1
+        for array in (ptrs, sizes)
+    ):
+        return None
+    assert ptrs is not None
+    assert sizes is not None
+    n_ops = len(device_ptrs.ptrs)
+    if len(ptrs) != n_ops or len(sizes) != n_ops:
+        return Outcome(error=ptrres.SpecError(""))
+    bad = first_bad_pointer(ptrs, sizes, device_ptrs.group_block_counts, kv)
+    if bad is None:
+        return Outcome()  # a valid plan: that of the spec behind the pointers
+    group, position, value = bad
+    return Outcome(
+        error=ptrres.DevicePointerError("", group=group, position=position, value=value)
+    )
+
+
 @given(plan_cases(), st.data())
 def test_hostile_plan_from_device_pointers(case: PlanCase, data: st.DataObject) -> None:
     device_ptrs = reference.resolve_device_pointers(case.spec, case.kv_caches)
@@ -767,8 +977,15 @@ def test_hostile_plan_from_device_pointers(case: PlanCase, data: st.DataObject) 
         store=store,
         coalesce=merge,
     )
-    if actual.error is None:
-        # The pointers were those of some valid spec: the plan is its plan.
+    known = expected_from_pointers(hostile, device_ptrs, case.kv_caches)
+    if known is not None and known.error is not None:
+        assert actual.error is not None, (
+            f"ptrres returned {actual.value!r} where it must raise {known.error!r}"
+        )
+        assert_same_error(actual.error, known.error)
+    elif known is not None or actual.error is None:
+        # The pointers are those of some valid spec: the plan is its plan.
+        assert actual.error is None, f"valid device pointers refused: {actual.error!r}"
         spec = ptrres.GPULoadStoreSpec(
             np.array(block_ids_behind(hostile, case.kv_caches), np.int64),
             list(hostile.group_block_counts),
@@ -839,7 +1056,8 @@ def test_hostile_coalesce(descriptors: Any, data: st.DataObject) -> None:
     with_out = call(
         ptrres.coalesce, *descriptors, max_run_bytes=max_run_bytes, out=guarded.out
     )
-    assert_same(with_out, expected, may_fail=guarded.out is not None)
+    n_ops = None if expected.error else len(descriptors[2])
+    assert_same_with_out(with_out, expected, guarded.out, 3, n_ops)
     guarded.check(None)
     assert_unchanged(inputs)
     assert_still_working()

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import JIT_DISABLED
@@ -78,7 +79,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     make_writable(site)
 
 
-def run(site: Path, home: Path, **env: str) -> dict[str, object]:
+def run(site: Path, home: Path, **env: str) -> dict[str, Any]:
     environ = {
         key: value
         for key, value in os.environ.items()

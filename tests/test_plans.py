@@ -495,7 +495,7 @@ def setup() -> tuple[
 GOOD_IDS = np.array([4, 0, 2])  # group 0: 1 chunk; group 1: skip 3 -> 2 chunks
 
 
-def test_offloaded_id_out_of_range(setup) -> None:  # type: ignore[no-untyped-def]
+def test_offloaded_id_out_of_range(setup) -> None:
     table, offloaded, spec = setup
     ptrs = np.full(5, 7, np.int64)
     outs = (ptrs, np.zeros(5, np.int64), np.zeros(5, np.int64))
@@ -515,7 +515,7 @@ def test_offloaded_id_out_of_range(setup) -> None:  # type: ignore[no-untyped-de
 
 
 @pytest.mark.parametrize("ids", [[4, 0], [4, 0, 2, 1], []])
-def test_wrong_number_of_offloaded_ids(setup, ids) -> None:  # type: ignore[no-untyped-def]
+def test_wrong_number_of_offloaded_ids(setup, ids) -> None:
     table, offloaded, spec = setup
     with pytest.raises(
         ptrres.OffloadedIdError,
@@ -525,7 +525,7 @@ def test_wrong_number_of_offloaded_ids(setup, ids) -> None:  # type: ignore[no-u
         table.plan_transfer(spec, offloaded, ids, store=True)
 
 
-def test_device_id_out_of_range_in_a_plan(setup) -> None:  # type: ignore[no-untyped-def]
+def test_device_id_out_of_range_in_a_plan(setup) -> None:
     table, offloaded, _ = setup
     spec = ptrres.GPULoadStoreSpec([1, 2, 3, 4, 10], [3, 2], [0, 3])
     with pytest.raises(
@@ -562,7 +562,7 @@ def test_device_id_out_of_range_in_a_plan(setup) -> None:  # type: ignore[no-unt
         ),
     ],
 )
-def test_offloaded_tensors_that_do_not_fit(setup, tensors, bpc, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_offloaded_tensors_that_do_not_fit(setup, tensors, bpc, pattern) -> None:
     table, _, spec = setup
     with pytest.raises(ptrres.LayoutError, match=pattern):
         table.plan_transfer(
@@ -608,7 +608,7 @@ def test_offloaded_tensors_that_do_not_fit(setup, tensors, bpc, pattern) -> None
         ),
     ],
 )
-def test_bad_plan_arguments(setup, kwargs, error, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_bad_plan_arguments(setup, kwargs, error, pattern) -> None:
     table, offloaded, spec = setup
     with pytest.raises(error, match=pattern):
         table.plan_transfer(spec, offloaded, GOOD_IDS, **kwargs)
@@ -627,7 +627,7 @@ def test_bad_plan_arguments(setup, kwargs, error, pattern) -> None:  # type: ign
         ptrres.OffloadedLayout([torch.zeros(5, 64)], 0)
 
 
-def test_device_pointers_that_are_not_blocks(setup) -> None:  # type: ignore[no-untyped-def]
+def test_device_pointers_that_are_not_blocks(setup) -> None:
     table, offloaded, spec = setup
     device_ptrs = table.resolve(spec)
     for op, delta, field in [(4, 1, "ptrs"), (1, 16 * 20, "ptrs"), (3, 1, "sizes")]:
@@ -693,7 +693,7 @@ def test_device_pointers_that_are_not_blocks(setup) -> None:  # type: ignore[no-
         ),
     ],
 )
-def test_bad_coalesce_input(arrays, error, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_bad_coalesce_input(arrays, error, pattern) -> None:
     with pytest.raises(error, match=pattern):
         ptrres.coalesce(*arrays)
     with pytest.raises(ptrres.SpecError, match="max_run_bytes must be >= 1"):

@@ -10,6 +10,7 @@ import warnings
 from collections import Counter
 from types import SimpleNamespace
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -119,7 +120,7 @@ print(json.dumps(mismatches))
 
 
 @pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
-def test_compiling_lazily_gives_the_declared_signatures(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_compiling_lazily_gives_the_declared_signatures(tmp_path) -> None:
     """Without warmup(), each call compiles exactly a declared signature.
 
     Run in a fresh process with an empty Numba cache, so that nothing is
@@ -158,7 +159,7 @@ class FakeDispatcher:
         self.closed = True
 
 
-def test_warmup_says_what_it_loaded_compiled_or_found_ready(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_warmup_says_what_it_loaded_compiled_or_found_ready(monkeypatch) -> None:
     """The report's logic, on a stand-in dispatcher (also without the JIT)."""
     dispatcher = FakeDispatcher(cached={"int64(int64)"})
     signatures = ("int64(int64)", "int32(int32)", "int64(int64)")
@@ -172,18 +173,18 @@ def test_warmup_says_what_it_loaded_compiled_or_found_ready(monkeypatch) -> None
     assert again.count("ready") == 3
 
 
-def test_nowhere_to_cache_compiles_uncached_with_one_warning(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_nowhere_to_cache_compiles_uncached_with_one_warning(monkeypatch) -> None:
     """_config._jit() in process, with Numba refusing to cache (see
     test_install.py for the real thing, in a read-only install)."""
     options_seen = []
 
-    def njit(**options: object):  # type: ignore[no-untyped-def]
+    def njit(**options: object):
         options_seen.append(options["cache"])
         if options["cache"]:
             raise RuntimeError("cannot cache function 'f': no locator available")
         return lambda function: function
 
-    monkeypatch.setattr(_config.numba, "njit", njit)
+    monkeypatch.setattr(numba, "njit", njit)  # as _config calls it
     monkeypatch.setattr(_config, "cache_refused", None)
 
     def kernel_function() -> int:

@@ -10,11 +10,12 @@ vLLM's upper bound.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_vllm_handler import assert_same, transfer
@@ -25,7 +26,6 @@ from vllm_harness import (
     padded_rows,
     specs,
     stubbed_vllm,
-    torch,
     worker,
 )
 
@@ -42,14 +42,10 @@ def _unpatched() -> Iterator[None]:
     plugin.unpatch()
 
 
-def canonical_handler(
-    gpu_tensors: Sequence[Any],
-    cpu_tensors: Sequence[Any],
-    refs: list[list[Any]],
-    blocks_per_chunk: int,
-    gpu_to_cpu: bool,
-) -> Any:
-    """vLLM's own handler with a canonical CPU layout (stubs in place)."""
+def canonical_handler(*tensors: Any) -> Any:
+    """vLLM's own handler with a canonical CPU layout (stubs in place), from
+    (GPU tensors, CPU tensors, refs per group, blocks_per_chunk, gpu_to_cpu)."""
+    gpu_tensors, cpu_tensors, refs, blocks_per_chunk, gpu_to_cpu = tensors
     return worker.SingleDirectionOffloadingHandler(
         gpu_tensors=list(gpu_tensors),
         cpu_tensors=list(cpu_tensors),
@@ -325,11 +321,12 @@ def test_a_method_captured_while_patched_runs_vllms_own_after_unpatch() -> None:
         captured = store.transfer_async
         plugin.unpatch()
         original_fill = store._fill_group_ops
-        mp.setattr(
-            store,
-            "_fill_group_ops",
-            lambda *a, **k: fills.append(1) or original_fill(*a, **k),
-        )
+
+        def counted_fill(*args: Any, **kwargs: Any) -> Any:
+            fills.append(1)
+            return original_fill(*args, **kwargs)
+
+        mp.setattr(store, "_fill_group_ops", counted_fill)
         assert captured(2, *good) is True
         store.get_finished()
     assert fills == [1, 1]  # vLLM filled both groups

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_harness import (
@@ -18,7 +19,6 @@ from vllm_harness import (
     make_layout,
     specs,
     stubbed_vllm,
-    torch,
 )
 
 import ptrres

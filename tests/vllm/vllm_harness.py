@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
 # Not `import vllm`: without vLLM that finds tests/vllm as a namespace package.
 worker = pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker")
 from vllm.v1.kv_offload.base import (  # noqa: E402
@@ -27,14 +27,14 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 
 
-class FakeCudaTensor(torch.Tensor):  # type: ignore[misc]
+class FakeCudaTensor(torch.Tensor):
     """A CPU tensor that says it is on CUDA (sharing the CPU tensor's storage)."""
 
     # Plain tensor methods, without __torch_function__'s per-call cost.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @property
-    def is_cuda(self) -> bool:
+    def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
 
@@ -148,11 +148,11 @@ class Layout:
 
     @property
     def num_gpu_blocks(self) -> int:
-        return min(t.shape[0] for t in self.gpu_tensors)
+        return int(min(t.shape[0] for t in self.gpu_tensors))
 
     @property
     def num_cpu_chunks(self) -> int:
-        return min(t.shape[0] for t in self.cpu_tensors)
+        return int(min(t.shape[0] for t in self.cpu_tensors))
 
     def handler(self, gpu_to_cpu: bool) -> Any:
         """vLLM's own handler, through its real __init__ (stubs in place)."""
