@@ -26,6 +26,7 @@ from ._results import (
     DevicePointerGroupInfo,
     DevicePointers,
     FilePlan,
+    StridedTransferPlan,
     TransferPlan,
 )
 from ._table import PointerTable
@@ -33,6 +34,8 @@ from ._types import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
+    CanonicalPageMapping,
+    CopyRun,
     GPULoadStoreSpec,
 )
 from ._warmup import CompiledKernel, WarmupReport, warmup
@@ -44,7 +47,9 @@ __all__ = [
     "CanonicalKVCacheRef",
     "CanonicalKVCacheTensor",
     "CanonicalKVCaches",
+    "CanonicalPageMapping",
     "CompiledKernel",
+    "CopyRun",
     "DevicePointerError",
     "DevicePointerGroupInfo",
     "DevicePointers",
@@ -58,6 +63,7 @@ __all__ = [
     "PointerTable",
     "PtrresError",
     "SpecError",
+    "StridedTransferPlan",
     "TransferPlan",
     "WarmupReport",
     "clear_table_cache",

@@ -17,16 +17,22 @@ import numpy as np
 
 from .bench import (
     BENCH_BLOCKS_PER_CHUNK,
+    CANONICAL_PRESETS,
     DEFAULT_OPERATIONS,
     OPERATIONS,
     PRESETS,
     BenchRow,
+    CanonicalBenchRow,
     bench_cell,
+    canonical_bench_cell,
     geometric_mean,
     make_spec,
 )
 
 DEFAULT_BLOCKS = (1, 16, 256, 4096)
+# `--operation canonical` (SPEC 10), timed only when asked for.
+CANONICAL = "canonical"
+CANONICAL_BLOCKS = (16, 256, 2048)
 QUICK_PRESETS = ("llama-3.1-8b", "hybrid-4x12")
 # Seconds of timing per (layout, operation, size) cell, shared by the
 # reference and ptrres.
@@ -55,8 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument(
         "--preset",
         action="append",
-        choices=sorted(PRESETS),
-        help="a layout to time (repeatable; default: all, or two with --quick)",
+        choices=sorted(PRESETS) + sorted(CANONICAL_PRESETS),
+        help="a layout to time (repeatable; default: all, or two with --quick); "
+        f"{', '.join(CANONICAL_PRESETS)} are canonical layouts, for "
+        f"--operation {CANONICAL}",
     )
     bench.add_argument(
         "--blocks",
@@ -66,12 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument(
         "--operation",
         action="append",
-        choices=OPERATIONS,
-        help=(
-            "an operation to time (repeatable; default: resolve, plan, "
-            "coalesce); files times plan_file_ops against vLLM PR #56076's "
-            "Python op building"
-        ),
+        choices=(*OPERATIONS, CANONICAL),
+        help="an operation to time (repeatable; default: "
+        f"{', '.join(DEFAULT_OPERATIONS)}). files: plan_file_ops against vLLM PR "
+        f"#56076's Python op building. {CANONICAL}: canonical-layout plans, flat "
+        "and strided, against a numpy transcription of vLLM 0.33's canonical fill "
+        f"(default blocks {','.join(map(str, CANONICAL_BLOCKS))})",
     )
     bench.add_argument(
         "--quick", action="store_true", help="two layouts, short timings (~10 s)"
@@ -122,11 +130,19 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.plot:
         _require_matplotlib()
-    presets = args.preset or list(QUICK_PRESETS if args.quick else PRESETS)
-    blocks = sorted(set(args.blocks or DEFAULT_BLOCKS))
-    operations = args.operation or list(DEFAULT_OPERATIONS)
+    operations = list(dict.fromkeys(args.operation or DEFAULT_OPERATIONS))
     seconds = QUICK_CELL_SECONDS if args.quick else CELL_SECONDS
     warmup()
+    if CANONICAL in operations:
+        _bench_canonical(args, seconds)
+        operations.remove(CANONICAL)
+        if not operations:
+            return 0
+        print()
+    presets = [p for p in args.preset or () if p in PRESETS] or list(
+        QUICK_PRESETS if args.quick else PRESETS
+    )
+    blocks = sorted(set(args.blocks or DEFAULT_BLOCKS))
 
     cells = [(p, o, b) for p in presets for o in operations for b in blocks]
     rows: list[BenchRow] = []
@@ -181,6 +197,70 @@ def _bench(args: argparse.Namespace) -> int:
         _plot(rows, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _bench_canonical(args: argparse.Namespace, seconds: float) -> None:
+    """`ptrres bench --operation canonical`: flat and strided canonical plans
+    against vLLM 0.33's numpy canonical fill, all into preallocated buffers."""
+    presets = [p for p in args.preset or () if p in CANONICAL_PRESETS] or list(
+        CANONICAL_PRESETS
+    )
+    blocks = sorted(set(args.blocks or CANONICAL_BLOCKS))
+    cells = [(p, b) for p in presets for b in blocks]
+    rows: list[CanonicalBenchRow] = []
+    for i, (preset, n_blocks) in enumerate(cells, 1):
+        _progress(f"[{i}/{len(cells)}] {preset} canonical {n_blocks} blocks")
+        rows.append(
+            canonical_bench_cell(
+                CANONICAL_PRESETS[preset],
+                n_blocks,
+                seconds=seconds,
+                with_fill=n_blocks == blocks[-1],
+            )
+        )
+    _progress("")
+    header = (
+        f"{'layout':<22} {'blocks':>6} {'flat descr':>10} {'2-D descr':>9} "
+        f"{'vLLM fill':>10} {'flat':>9} {'speedup':>7} {'x fill':>6} "
+        f"{'strided':>9} {'speedup':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        fill = (
+            f"{row.flat_seconds / row.fill_seconds:>6.2f}"
+            if row.fill_seconds
+            else f"{'':>6}"
+        )
+        lines.append(
+            f"{row.preset:<22} {row.blocks_per_group:>6} {row.descriptors:>10} "
+            f"{row.strided_descriptors:>9} {_duration(row.peer_seconds):>10} "
+            f"{_duration(row.flat_seconds):>9} {row.flat_speedup:>6.1f}x {fill} "
+            f"{_duration(row.strided_seconds):>9} {row.strided_speedup:>6.1f}x"
+        )
+    print("\n".join(lines))
+    print(
+        "speedup: over a numpy transcription of vLLM 0.33's _fill_canonical_ops; "
+        "x fill: flat plan time / a numpy fill of its output bytes"
+    )
+    if args.json:
+        path = args.json.replace(".json", "") + "-canonical.json"
+        with open(path, "w") as f:
+            json.dump(
+                {
+                    "environment": environment(),
+                    "results": [
+                        dict(
+                            asdict(row),
+                            flat_speedup=row.flat_speedup,
+                            strided_speedup=row.strided_speedup,
+                        )
+                        for row in rows
+                    ],
+                },
+                f,
+                indent=2,
+            )
+        print(f"wrote {path}")
 
 
 def _progress(message: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 from ._args import as_int
+from ._errors import InputTypeError
 from ._geometry import OffloadedGeometry, read_offloaded
 
 
@@ -21,19 +22,30 @@ class OffloadedLayout:
     Args:
         tensors: CPU tensors (torch or numpy), or objects with a ``.tensor``.
         blocks_per_chunk: device blocks per offloaded chunk (>= 1).
+        canonical: whether rows hold canonical pages (vLLM's
+            ``canonical_layout``, SPEC 10): plans then follow the refs'
+            mappings, and every ref must carry one. A sub-block must hold the
+            largest canonical page of the refs on its tensor (checked when a
+            table first plans with the layout: the layout knows no refs).
     """
 
-    __slots__ = ("blocks_per_chunk", "geometries")
+    __slots__ = ("blocks_per_chunk", "canonical", "geometries")
 
     geometries: tuple[OffloadedGeometry, ...]
     blocks_per_chunk: int
+    canonical: bool
 
-    def __init__(self, tensors: Any, blocks_per_chunk: int) -> None:
+    def __init__(
+        self, tensors: Any, blocks_per_chunk: int, *, canonical: bool = False
+    ) -> None:
+        if type(canonical) is not bool:
+            raise InputTypeError(f"canonical must be True or False, got {canonical!r}")
         geometries = tuple(read_offloaded(tensors, blocks_per_chunk))
         object.__setattr__(self, "geometries", geometries)
         object.__setattr__(
             self, "blocks_per_chunk", as_int(blocks_per_chunk, "blocks_per_chunk")
         )
+        object.__setattr__(self, "canonical", canonical)
 
     def __setattr__(self, name: str, value: Any) -> NoReturn:
         raise AttributeError(
@@ -46,5 +58,6 @@ class OffloadedLayout:
     def __repr__(self) -> str:
         return (
             f"OffloadedLayout({len(self.geometries)} tensors, "
-            f"blocks_per_chunk={self.blocks_per_chunk})"
+            f"blocks_per_chunk={self.blocks_per_chunk}"
+            + (", canonical=True)" if self.canonical else ")")
         )

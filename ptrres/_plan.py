@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _kernels
+from . import _canonical, _kernels
 from ._args import (
     DEVICE_POINTERS_FIELDS,
     INT64,
@@ -59,7 +59,12 @@ def run_plan(
     cached = table._offloaded  # inline: a method call costs on every plan
     if cached is not None and cached[0] is offloaded:
         offloaded_refs = cached[1]
-    else:
+    else:  # canonical layouts are never cached there: they always come here
+        if isinstance(offloaded, OffloadedLayout) and offloaded.canonical:
+            return _canonical.plan(
+                table, block_ids, counts, offloaded, offloaded_ids, store, out,
+                coalesce, max_run,
+            )  # fmt: skip
         offloaded_refs = table._offloaded_refs(offloaded)
     if block_ids.dtype is not INT64:
         block_ids = block_ids.astype(np.int64)

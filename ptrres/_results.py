@@ -3,6 +3,7 @@
 DevicePointers is what vLLM's ``resolve_device_pointers`` returns and its
 ``iter_pointer_groups`` walks; TransferPlan holds the arrays a batched copy
 takes (``cuMemcpyBatchAsync``, or vLLM's ``_swap_blocks_batch``), SPEC 1;
+StridedTransferPlan holds 2-D descriptors (``cudaMemcpy2DAsync``), SPEC 10.
 FilePlan holds the (pointer, file offset, size) ops of the file tier, SPEC 11.
 """
 
@@ -57,6 +58,51 @@ class TransferPlan:
     # Bytes the whole transfer copies: the sum of sizes (for an engine's
     # transfer statistics).
     num_bytes: int
+
+
+@dataclass(eq=False)
+class StridedTransferPlan:
+    """2-D copy descriptors of one transfer (SPEC 10).
+
+    Returned by plan_strided_transfer(). Descriptor i copies ``height[i]``
+    rows of ``width[i]`` bytes: row r from ``src[i] + r * src_pitch[i]`` to
+    ``dst[i] + r * dst_pitch[i]``. Each descriptor is one
+    ``cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height)``, or
+    one entry of ``cuMemcpy3DBatchAsync`` (a depth-1 copy). Every array is
+    uint64; expand() gives the equivalent flat TransferPlan.
+    """
+
+    # Address of row 0 on the source side of each descriptor: the 2-D copy's
+    # src (cudaMemcpy2DAsync) or srcPos/srcPtr of a cuMemcpy3DBatchAsync entry.
+    src: npt.NDArray[np.uint64]
+    # Address of row 0 on the destination side: the 2-D copy's dst.
+    dst: npt.NDArray[np.uint64]
+    # Bytes of each row (a CopyRun's fragment_size; the page for direct
+    # plans): cudaMemcpy2DAsync's width, the 3-D entry's extent.width.
+    width: npt.NDArray[np.uint64]
+    # Rows of each descriptor (a CopyRun's num_fragments; 1 for direct
+    # plans): cudaMemcpy2DAsync's height, the 3-D entry's extent.height.
+    height: npt.NDArray[np.uint64]
+    # Bytes between two source rows (local_stride on a store, else
+    # canonical_stride; the width for direct plans): cudaMemcpy2DAsync's
+    # spitch, the 3-D entry's source pitch.
+    src_pitch: npt.NDArray[np.uint64]
+    # Bytes between two destination rows: cudaMemcpy2DAsync's dpitch, the
+    # 3-D entry's destination pitch.
+    dst_pitch: npt.NDArray[np.uint64]
+    # Bytes the whole transfer copies: the sum of width * height (for an
+    # engine's transfer statistics).
+    num_bytes: int
+
+    def expand(self) -> TransferPlan:
+        """The flat plan: every descriptor's rows, in order, one per row."""
+        height = self.height.astype(np.int64)
+        first = np.repeat(np.cumsum(height) - height, height)
+        row = (np.arange(len(first), dtype=np.int64) - first).astype(np.uint64)
+        src = np.repeat(self.src, height) + row * np.repeat(self.src_pitch, height)
+        dst = np.repeat(self.dst, height) + row * np.repeat(self.dst_pitch, height)
+        sizes = np.repeat(self.width, height)
+        return TransferPlan(src, dst, sizes, self.num_bytes)
 
 
 class DevicePointerGroupInfo(NamedTuple):

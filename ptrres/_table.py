@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from . import _kernels, _plan
+from . import _canonical, _kernels, _plan
 from ._args import (
     PTRS_SIZES,
     SPEC_FIELDS,
@@ -21,7 +21,7 @@ from ._diagnose import overlap_error, resolve_error
 from ._errors import InputTypeError
 from ._geometry import RefRow, offloaded_rows, read_layout
 from ._offloaded import OffloadedLayout
-from ._results import DevicePointers, FilePlan, TransferPlan
+from ._results import DevicePointers, FilePlan, StridedTransferPlan, TransferPlan
 
 Buffers = tuple[npt.NDArray[Any], ...]
 _LIST_OR_TUPLE = (list, tuple)
@@ -85,6 +85,10 @@ class PointerTable:
         # The offloaded layout last planned with, and its per-ref table: one
         # tuple, read and assigned whole (atomic under the GIL), never in parts.
         self._offloaded: tuple[OffloadedLayout, npt.NDArray[np.int64]] | None = None
+        # The refs' mappings (SPEC 10), and the kernel tables of the layout
+        # last planned with canonically or strided (read and assigned whole).
+        self._ref_mappings = _canonical.read_ref_mappings(kv_caches)
+        self._canonical: _canonical.PlanTables | None = None
 
     def __repr__(self) -> str:
         return (
@@ -157,6 +161,12 @@ class PointerTable:
     ) -> TransferPlan:
         """Every copy descriptor of a store or a load, in one pass (SPEC 5).
 
+        With a canonical layout (SPEC 10), each kept block adds one descriptor
+        per fragment of its ref's mapping, ordered group -> ref -> kept block
+        -> fragment: exactly vLLM 0.33's ``_fill_canonical_ops``. Stores keep
+        only the blocks whose canonical page id (chunk * bpc + sub-block) is
+        this rank's; loads keep every block.
+
         Descriptors are ordered as in resolve(): group -> ref -> block. Device
         block k of group g (ref d, tensor t) pairs with sub-block ``j % bpc``
         of chunk ``offloaded_ids_of_g[j // bpc]``, where ``j = skip(g) + k``.
@@ -171,7 +181,11 @@ class PointerTable:
             out: optional ``(src, dst, sizes)`` buffers, 1-D int64 or uint64,
                 at least as long as the number of ops (before coalescing),
                 apart from each other and from the ids. The plan's arrays are
-                then uint64 views of them.
+                then uint64 views of them. With a canonical layout, ops are
+                fragments: each block of a group makes as many as its refs'
+                runs hold, and out= must hold that many for every block, as
+                vLLM sizes its buffers (an upper bound: stores then drop the
+                blocks other ranks write).
             coalesce: merge descriptors that continue each other on both sides
                 in the same pass, as coalesce() does.
             max_run_bytes: the largest merged descriptor, when coalescing.
@@ -279,6 +293,40 @@ class PointerTable:
             out=out,
         )
 
+    def plan_strided_transfer(
+        self,
+        device_spec: Any,
+        offloaded: OffloadedLayout,
+        offloaded_ids: Any,
+        *,
+        store: bool,
+        out: Buffers | None = None,
+    ) -> StridedTransferPlan:
+        """2-D copy descriptors of a store or a load (SPEC 10).
+
+        One descriptor per (kept block, ref, run), ordered as plan_transfer()'s
+        fragments: ``height`` rows of ``width`` bytes (num_fragments rows of
+        fragment_size bytes), rows ``src_pitch`` and ``dst_pitch`` apart
+        (local_stride and canonical_stride, swapped on a load). Expanded row
+        by row (``expand()``) it is exactly plan_transfer()'s plan. A direct
+        layout gives one single-row descriptor per (block, ref). Runs with no
+        fragments give no descriptor.
+
+        Args:
+            device_spec, offloaded, offloaded_ids, store: as for
+                plan_transfer().
+            out: optional ``(src, dst, width, height, src_pitch, dst_pitch)``
+                buffers, 1-D int64 or uint64, at least (blocks x runs of
+                their group's refs) long: the count before stores drop the
+                blocks other ranks write.
+
+        Raises:
+            the errors of plan_transfer().
+        """
+        return _canonical.plan_strided(
+            self, device_spec, offloaded, offloaded_ids, store, out
+        )
+
     def _offloaded_refs(self, offloaded: OffloadedLayout) -> npt.NDArray[np.int64]:
         """The offloaded tensor of each ref (OFF_* columns), checked and cached."""
         cached = self._offloaded
@@ -288,6 +336,8 @@ class PointerTable:
             raise InputTypeError(
                 f"offloaded must be an OffloadedLayout, got {type(offloaded).__name__}"
             )
+        if offloaded.canonical:  # its pages are checked against the mappings
+            return _canonical.plan_tables(self, offloaded).offloaded_refs
         rows = offloaded_rows(
             [list(g) for g in self._groups], list(offloaded.geometries)
         )

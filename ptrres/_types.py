@@ -67,6 +67,50 @@ class CanonicalKVCacheTensor:
     page_size_bytes: int
 
 
+@dataclass(frozen=True)
+class CopyRun:
+    """A strided byte correspondence between a worker's page and a canonical
+    page (SPEC 10): for i in range(num_fragments), fragment i spans
+    ``[local_offset + i * local_stride, + fragment_size)`` of the worker's page
+    and ``[canonical_offset + i * canonical_stride, + fragment_size)`` of the
+    canonical page."""
+
+    # Offset of fragment 0 in the worker's (local) page, in bytes.
+    local_offset: int
+    # Offset of fragment 0 in the canonical page, in bytes.
+    canonical_offset: int
+    # Bytes of each fragment.
+    fragment_size: int
+    # Fragments in the run (0: the run copies nothing).
+    num_fragments: int
+    # Bytes between two fragments in the local page.
+    local_stride: int
+    # Bytes between two fragments in the canonical page.
+    canonical_stride: int
+
+
+@dataclass(frozen=True)
+class CanonicalPageMapping:
+    """How a worker's page maps into a canonical (parallelism-free) page."""
+
+    # Bytes of the canonical page: a sub-block of a canonical offloaded row.
+    canonical_page_size_bytes: int
+    # Bytes of the worker's un-padded page; every run lies inside it.
+    local_page_size_bytes: int
+    # The byte correspondences, in copy order.
+    runs: tuple[CopyRun, ...]
+    # Ranks holding these exact bytes; they take turns storing them.
+    num_writers: int
+    # This worker's index among those ranks, in [0, num_writers).
+    writer_index: int
+    # Whether the canonical bytes are the same under any parallel config.
+    parallelism_agnostic: bool
+
+    def is_writer(self, block_id: int) -> bool:
+        """Whether this worker stores the canonical page with this id."""
+        return block_id % self.num_writers == self.writer_index
+
+
 @dataclass(eq=False)
 class CanonicalKVCacheRef:
     """One layer (or layer group) of a KV-cache group."""
@@ -75,7 +119,9 @@ class CanonicalKVCacheRef:
     tensor_idx: int
     # Bytes to copy per block: the un-padded page, starting at the row start.
     page_size_bytes: int
-    # vLLM carries an optional mapping here; ptrres ignores it.
+    # How this worker's page maps into a canonical page (a CanonicalPageMapping,
+    # or any object with its fields); None = uncertified. Read only by
+    # canonical offloaded layouts (SPEC 10): direct layouts ignore it.
     mapping: Any = None
 
 

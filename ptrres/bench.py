@@ -501,3 +501,309 @@ def bench_cell(
         ptrres_seconds=timings["ptrres"].seconds,
         fill_seconds=timings["fill"].seconds if with_fill else None,
     )
+
+
+# ---------------------------------------------------------------------------
+# Canonical layouts (SPEC 10): `ptrres bench --operation canonical`
+
+
+@dataclass(frozen=True)
+class CanonicalPreset:
+    """One rank's canonical mapping of a model: every layer one ref, one tensor.
+
+    Each page maps to its canonical page through one run of ``num_fragments``
+    fragments of ``fragment_size`` bytes, ``canonical_stride`` apart there.
+    """
+
+    name: str
+    description: str
+    num_layers: int
+    # Bytes of the rank's page, and of the canonical page.
+    local_page: int
+    canonical_page: int
+    # The rank's one run: (local_offset, canonical_offset, fragment_size,
+    # num_fragments, local_stride, canonical_stride).
+    run: tuple[int, int, int, int, int, int]
+    num_writers: int
+    writer_index: int
+    # The direction timed: stores show writer rotation, loads keep every block.
+    store: bool
+
+    def kv_caches(self, num_blocks: int = 32768) -> CanonicalKVCaches:
+        from ._types import CanonicalPageMapping, CopyRun
+
+        mapping = CanonicalPageMapping(
+            self.canonical_page,
+            self.local_page,
+            (CopyRun(*self.run),),
+            self.num_writers,
+            self.writer_index,
+            True,
+        )
+        tensors = [
+            CanonicalKVCacheTensor(
+                VirtualTensor(
+                    VIRTUAL_BASE + layer * VIRTUAL_ALIGN, num_blocks, self.local_page
+                ),
+                self.local_page,
+            )
+            for layer in range(self.num_layers)
+        ]
+        refs = [
+            CanonicalKVCacheRef(layer, self.local_page, mapping)
+            for layer in range(self.num_layers)
+        ]
+        return CanonicalKVCaches(tensors, [refs])
+
+    def offloaded_tensors(
+        self, blocks_per_chunk: int, num_chunks: int = 8192
+    ) -> list[VirtualTensor]:
+        """Canonical offloaded tensors: rows of bpc canonical pages."""
+        row = blocks_per_chunk * self.canonical_page
+        stride = -(-(num_chunks * row) // VIRTUAL_ALIGN) * VIRTUAL_ALIGN
+        return [
+            VirtualTensor(VIRTUAL_BASE // 2 + layer * stride, num_chunks, row)
+            for layer in range(self.num_layers)
+        ]
+
+
+def _nhd_row(kv_heads: int, head_dim: int = 128) -> int:
+    """Bytes of one token of a packed NHD page: K and V of each head, bf16."""
+    return kv_heads * 2 * head_dim * 2
+
+
+CANONICAL_PRESETS: dict[str, CanonicalPreset] = {
+    p.name: p
+    for p in [
+        CanonicalPreset(
+            "llama-3.1-70b-tp4-nhd",
+            "80 layers, packed NHD, TP=4 rank 1 (2 of 8 heads): a fragment "
+            "per token, 16 per block; a load",
+            80,
+            16 * _nhd_row(2),
+            16 * _nhd_row(8),
+            (0, _nhd_row(2), _nhd_row(2), 16, _nhd_row(2), 4 * _nhd_row(2)),
+            1,
+            0,
+            store=False,
+        ),
+        CanonicalPreset(
+            "deepseek-v3-mla-tp8",
+            "61 layers, MLA replicated over TP=8: one whole-page run, rank 3 "
+            "of 8 writes every 8th page; a store",
+            61,
+            16 * 576 * 2,
+            16 * 576 * 2,
+            (0, 0, 16 * 576 * 2, 1, 16 * 576 * 2, 16 * 576 * 2),
+            8,
+            3,
+            store=True,
+        ),
+    ]
+}
+
+
+def vllm_canonical_copy_plans(
+    kv_caches: Any, store: bool
+) -> list[list[tuple[Any, Any, Any, int]]]:
+    """vLLM 0.33's per-ref fragment templates (its _build_copy_plan), built
+    once, as its handler does at start-up: (src offsets, dst offsets, sizes,
+    bytes per block)."""
+    plans = []
+    for refs in kv_caches.group_data_refs:
+        group = []
+        for ref in refs:
+            local, canonical, sizes = [], [], []
+            for run in ref.mapping.runs:
+                for i in range(run.num_fragments):
+                    local.append(run.local_offset + i * run.local_stride)
+                    canonical.append(run.canonical_offset + i * run.canonical_stride)
+                    sizes.append(run.fragment_size)
+            src, dst = (local, canonical) if store else (canonical, local)
+            group.append(
+                (
+                    np.asarray(src, np.uint64),
+                    np.asarray(dst, np.uint64),
+                    np.asarray(sizes, np.int64),
+                    sum(sizes),
+                )
+            )
+        plans.append(group)
+    return plans
+
+
+def _sub_block_ptrs(
+    ids: Any, bpc: int, count: int, skip: int, tensor: Any
+) -> npt.NDArray[np.uint64]:
+    """vLLM 0.33's compute_sub_block_ptrs (returning its output)."""
+    base, stride = tensor.data_ptr(), tensor.stride(0)
+    if bpc == 1:
+        out: npt.NDArray[np.uint64] = base + ids.astype(np.uint64)[:count] * stride
+        return out
+    sub = np.arange(bpc, dtype=np.uint64) * (tensor.shape[1] // bpc)
+    rows = (base + ids.astype(np.uint64)[:, None] * stride) + sub[None, :]
+    flat: npt.NDArray[np.uint64] = rows.ravel()[skip : skip + count]
+    return flat
+
+
+def vllm_style_canonical_plan(
+    device_spec: Any,
+    kv_caches: Any,
+    copy_plans: list[list[tuple[Any, Any, Any, int]]],
+    offloaded_tensors: Sequence[Any],
+    blocks_per_chunk: int,
+    offloaded_ids: Any,
+    store: bool,
+    out: Sequence[Any],
+) -> int:
+    """vLLM 0.33's canonical fill (``_fill_canonical_ops`` per group, as
+    ``transfer_async`` calls it), into ``out``, without checks.
+
+    Returns:
+        The number of descriptors written.
+    """
+    all_src, all_dst = out[0].view(np.uint64), out[1].view(np.uint64)
+    all_sizes = out[2]
+    block_ids = device_spec.block_ids
+    bpc = blocks_per_chunk
+    op = first_id = first_chunk = 0
+    for g, (size, index) in enumerate(
+        zip(device_spec.group_sizes, device_spec.block_indices)
+    ):
+        if size == 0:
+            continue
+        skip = index % bpc
+        n_chunks = -(-(size + skip) // bpc)
+        ids = block_ids[first_id : first_id + size]
+        chunks = offloaded_ids[first_chunk : first_chunk + n_chunks]
+        first_id += size
+        first_chunk += n_chunks
+        for plan, ref in zip(copy_plans[g], kv_caches.group_data_refs[g]):
+            src_offsets, dst_offsets, frag_sizes, _ = plan
+            n_frags = len(frag_sizes)
+            if n_frags == 0:
+                continue
+            device = kv_caches.tensors[ref.tensor_idx].tensor
+            offloaded = offloaded_tensors[ref.tensor_idx]
+            device_bases = _sub_block_ptrs(ids, 1, size, 0, device)
+            offloaded_bases = _sub_block_ptrs(chunks, bpc, size, skip, offloaded)
+            mapping = ref.mapping
+            if store and mapping.num_writers > 1:
+                page_ids = (chunks[:, None] * bpc + np.arange(bpc)).ravel()
+                page_ids = page_ids[skip : skip + size]
+                mine = page_ids % mapping.num_writers == mapping.writer_index
+                device_bases, offloaded_bases = (
+                    device_bases[mine],
+                    offloaded_bases[mine],
+                )
+            src_bases, dst_bases = (
+                (device_bases, offloaded_bases)
+                if store
+                else (offloaded_bases, device_bases)
+            )
+            n = len(src_bases)
+            end = op + n * n_frags
+            np.add(
+                src_bases[:, None],
+                src_offsets[None, :],
+                out=all_src[op:end].reshape(n, n_frags),
+            )
+            np.add(
+                dst_bases[:, None],
+                dst_offsets[None, :],
+                out=all_dst[op:end].reshape(n, n_frags),
+            )
+            all_sizes[op:end].reshape(n, n_frags)[:] = frag_sizes
+            op = end
+    return op
+
+
+@dataclass(frozen=True)
+class CanonicalBenchRow:
+    """One cell of `ptrres bench --operation canonical`."""
+
+    preset: str
+    blocks_per_group: int
+    # Descriptors of the flat plan (after writer filtering), and of the
+    # strided plan.
+    descriptors: int
+    strided_descriptors: int
+    peer_seconds: float  # vLLM 0.33's numpy canonical fill, into buffers
+    flat_seconds: float  # ptrres' flat plan, into out= buffers
+    strided_seconds: float  # ptrres' strided plan, into out= buffers
+    # A numpy fill of the flat plan's output bytes (the largest size only).
+    fill_seconds: float | None
+
+    @property
+    def flat_speedup(self) -> float:
+        return self.peer_seconds / self.flat_seconds
+
+    @property
+    def strided_speedup(self) -> float:
+        return self.peer_seconds / self.strided_seconds
+
+
+def canonical_bench_cell(
+    preset: CanonicalPreset,
+    blocks_per_group: int,
+    *,
+    seconds: float,
+    with_fill: bool,
+) -> CanonicalBenchRow:
+    """Time vLLM's canonical fill, ptrres' flat and strided plans, side by side.
+
+    Every contender writes into buffers allocated once, as vLLM's pooled
+    pinned buffers and ptrres' out= are; vLLM's fragment templates are built
+    beforehand, as its handler does at start-up.
+    """
+    from ._offloaded import OffloadedLayout
+    from ._table import PointerTable
+
+    bpc = BENCH_BLOCKS_PER_CHUNK
+    kv = preset.kv_caches()
+    table = PointerTable(kv)
+    spec = make_spec(_ONE_GROUP, blocks_per_group)
+    tensors = preset.offloaded_tensors(bpc)
+    layout = OffloadedLayout(tensors, bpc, canonical=True)
+    chunk_ids = make_offloaded_ids(spec, bpc)
+    store = preset.store
+    copy_plans = vllm_canonical_copy_plans(kv, store)
+    max_ops = blocks_per_group * preset.num_layers * preset.run[3]
+    out = tuple(np.empty(max_ops, np.int64) for _ in range(3))
+    max_rows = blocks_per_group * preset.num_layers
+    out_2d = tuple(np.empty(max_rows, np.int64) for _ in range(6))
+    contenders: dict[str, Callable[[], object]] = {
+        "peer": lambda: vllm_style_canonical_plan(
+            spec, kv, copy_plans, tensors, bpc, chunk_ids, store, out
+        ),
+        "flat": lambda: table.plan_transfer(
+            spec, layout, chunk_ids, store=store, out=out
+        ),
+        "strided": lambda: table.plan_strided_transfer(
+            spec, layout, chunk_ids, store=store, out=out_2d
+        ),
+    }
+    descriptors = len(table.plan_transfer(spec, layout, chunk_ids, store=store).src)
+    if with_fill:
+
+        def fill() -> None:
+            for buffer in out:
+                buffer[:descriptors].fill(1)
+
+        contenders["fill"] = fill
+    timings = compare(contenders, seconds=seconds, rounds=5)
+    strided = table.plan_strided_transfer(spec, layout, chunk_ids, store=store)
+    return CanonicalBenchRow(
+        preset=preset.name,
+        blocks_per_group=blocks_per_group,
+        descriptors=descriptors,
+        strided_descriptors=len(strided.src),
+        peer_seconds=timings["peer"].seconds,
+        flat_seconds=timings["flat"].seconds,
+        strided_seconds=timings["strided"].seconds,
+        fill_seconds=timings["fill"].seconds if with_fill else None,
+    )
+
+
+# make_spec needs only the number of groups of a layout.
+_ONE_GROUP = Preset("one-group", "", (1,), 1)

@@ -31,12 +31,20 @@ from ._errors import (
     PtrresError,
     SpecError,
 )
-from ._results import DevicePointerGroupInfo, DevicePointers, FilePlan, TransferPlan
+from ._results import (
+    DevicePointerGroupInfo,
+    DevicePointers,
+    FilePlan,
+    StridedTransferPlan,
+    TransferPlan,
+)
 
 __all__ = [
     "coalesce",
     "iter_pointer_groups",
     "plan_file_ops",
+    "plan_canonical_transfer",
+    "plan_strided_transfer",
     "plan_transfer",
     "resolve_device_pointers",
 ]
@@ -675,3 +683,229 @@ def _merged(ops: list[tuple[int, int, int]], cap: int) -> list[tuple[int, int, i
                 continue
         merged.append((ptr, offset, size))
     return merged
+
+
+# ---------------------------------------------------------------------------
+# Canonical layouts (SPEC 10)
+#
+# Self-contained: it reads tensors and mappings itself, and imports nothing
+# from ptrres but its errors and result types. Shaped like vLLM 0.33's
+# SingleDirectionOffloadingHandler: a fragment template per ref
+# (_build_copy_plan), block base pointers per group and ref
+# (compute_sub_block_ptrs), the writer filter of stores (_canonical_page_ids,
+# _filter_writer_blocks), then one broadcast add per side (_fill_canonical_ops).
+# ---------------------------------------------------------------------------
+
+
+def plan_canonical_transfer(
+    device_spec: Any,
+    kv_caches: Any,
+    offloaded_tensors: Any,
+    blocks_per_chunk: int,
+    offloaded_ids: Any,
+    *,
+    store: bool,
+) -> TransferPlan:
+    """Flat descriptors of a canonical store or load: group -> ref -> kept
+    block -> fragment, as vLLM 0.33's ``_fill_canonical_ops``."""
+    plans = _canonical_plans(
+        device_spec, kv_caches, offloaded_tensors, blocks_per_chunk, offloaded_ids,
+        store, canonical=True, strided=False,
+    )  # fmt: skip
+    src, dst, sizes = (_concatenated(plans, column) for column in range(3))
+    return TransferPlan(src, dst, sizes, int(sizes.sum(dtype=np.uint64)))
+
+
+def plan_strided_transfer(
+    device_spec: Any,
+    kv_caches: Any,
+    offloaded_tensors: Any,
+    blocks_per_chunk: int,
+    offloaded_ids: Any,
+    *,
+    store: bool,
+    canonical: bool = True,
+) -> StridedTransferPlan:
+    """One 2-D descriptor per (kept block, ref, run); a direct layout
+    (``canonical=False``) gives one single-row descriptor per (block, ref)."""
+    plans = _canonical_plans(
+        device_spec, kv_caches, offloaded_tensors, blocks_per_chunk, offloaded_ids,
+        store, canonical=canonical, strided=True,
+    )  # fmt: skip
+    src, dst, width, height, src_pitch, dst_pitch = (
+        _concatenated(plans, column) for column in range(6)
+    )
+    num_bytes = int((width * height).sum(dtype=np.uint64))
+    return StridedTransferPlan(src, dst, width, height, src_pitch, dst_pitch, num_bytes)
+
+
+def _concatenated(plans: list[tuple[Any, ...]], column: int) -> npt.NDArray[np.uint64]:
+    parts = [plan[column].ravel() for plan in plans]
+    return np.concatenate(parts).astype(np.uint64) if parts else np.zeros(0, np.uint64)
+
+
+def _tensor_rows(tensor: Any) -> tuple[int, int, int, int]:
+    """(base pointer, row stride in bytes, bytes of a row, rows) of a tensor."""
+    tensor = getattr(tensor, "tensor", tensor)
+    if isinstance(tensor, np.ndarray):
+        base, stride = tensor.__array_interface__["data"][0], tensor.strides[0]
+        element_size = tensor.itemsize
+    else:
+        base, element_size = tensor.data_ptr(), tensor.element_size()
+        stride = tensor.stride(0) * element_size
+    shape = tuple(tensor.shape)
+    return base, stride, int(np.prod(shape[1:])) * element_size, shape[0]
+
+
+def _mapping_items(
+    mapping: Any, group: int, d: int, row_limit: int, sub: int, strided: bool
+) -> tuple[npt.NDArray[np.int64], int, int]:
+    """A ref's items, checked: rows (local, canonical, width, height,
+    local_stride, canonical_stride) of its fragments, or of its runs when
+    strided; and its num_writers and writer_index."""
+    where = f"group {group}, ref {d}"
+    if mapping is None:
+        raise LayoutError(f"{where} has no mapping, but the layout is canonical")
+    canonical_page = int(mapping.canonical_page_size_bytes)
+    local_page = int(mapping.local_page_size_bytes)
+    num_writers, writer_index = int(mapping.num_writers), int(mapping.writer_index)
+    if min(canonical_page, local_page) < 0:
+        raise LayoutError(f"{where}: a negative page size")
+    if num_writers < 1 or not 0 <= writer_index < num_writers:
+        raise LayoutError(f"{where}: writer {writer_index} of {num_writers}")
+    if local_page > row_limit:
+        raise LayoutError(f"{where}: the local page is larger than a row")
+    if canonical_page > sub:
+        raise LayoutError(f"{where}: the canonical page is larger than a sub-block")
+    rows = []
+    for r, run in enumerate(mapping.runs):
+        fields = [
+            int(run.local_offset),
+            int(run.canonical_offset),
+            int(run.fragment_size),
+            int(run.num_fragments),
+            int(run.local_stride),
+            int(run.canonical_stride),
+        ]
+        if min(fields) < 0:
+            raise LayoutError(f"{where}, run {r}: a negative field")
+        local, canonical, size, count, local_stride, canonical_stride = fields
+        if count == 0:
+            continue
+        if local + (count - 1) * local_stride + size > local_page:
+            raise LayoutError(f"{where}, run {r}: outside the local page")
+        if canonical + (count - 1) * canonical_stride + size > canonical_page:
+            raise LayoutError(f"{where}, run {r}: outside the canonical page")
+        if strided:
+            rows.append(fields)
+        else:
+            for i in range(count):
+                offsets = [local + i * local_stride, canonical + i * canonical_stride]
+                rows.append([*offsets, size, 1, size, size])
+    return np.array(rows, np.int64).reshape(-1, 6), num_writers, writer_index
+
+
+def _canonical_plans(
+    device_spec: Any,
+    kv_caches: Any,
+    offloaded_tensors: Any,
+    blocks_per_chunk: int,
+    offloaded_ids: Any,
+    store: bool,
+    *,
+    canonical: bool,
+    strided: bool,
+) -> list[tuple[Any, ...]]:
+    """The descriptors of each (group, ref), as (src, dst, width, height,
+    src_pitch, dst_pitch) arrays."""
+    if type(store) is not bool:
+        raise InputTypeError(f"store must be True or False, got {store!r}")
+    bpc = int(blocks_per_chunk)
+    device = [_tensor_rows(t) for t in kv_caches.tensors]
+    offloaded = [_tensor_rows(t) for t in offloaded_tensors]
+    block_ids = np.asarray(device_spec.block_ids).astype(np.int64)
+    chunk_ids = np.asarray(offloaded_ids).astype(np.int64)
+    group_sizes = [int(n) for n in device_spec.group_sizes]
+    block_indices = [int(i) for i in device_spec.block_indices]
+    n_chunks = [0 if n == 0 else -(-(n + i % bpc) // bpc) for n, i in
+                zip(group_sizes, block_indices)]  # fmt: skip
+    if len(chunk_ids) != sum(n_chunks):
+        raise OffloadedIdError(
+            f"there are {len(chunk_ids)} offloaded ids, but the groups span "
+            f"{sum(n_chunks)} chunks"
+        )
+    # Every ref's items first: a bad mapping fails whatever the ids.
+    items: list[list[tuple[npt.NDArray[np.int64], int, int]]] = []
+    for group, refs in enumerate(kv_caches.group_data_refs):
+        items.append([])
+        for d, ref in enumerate(refs):
+            _, stride, row_bytes, _ = device[ref.tensor_idx]
+            sub = offloaded[ref.tensor_idx][2] // bpc
+            page = int(ref.page_size_bytes)
+            if canonical:
+                items[-1].append(
+                    _mapping_items(
+                        ref.mapping, group, d, min(stride, row_bytes), sub, strided
+                    )
+                )
+            else:
+                items[-1].append((np.array([[0, 0, page, 1, page, page]]), 1, 0))
+
+    plans: list[tuple[Any, ...]] = []
+    first_id = first_chunk = 0
+    for group, refs in enumerate(kv_caches.group_data_refs):
+        group_size = group_sizes[group]
+        group_ids = block_ids[first_id : first_id + group_size]
+        group_chunks = chunk_ids[first_chunk : first_chunk + n_chunks[group]]
+        first_id += group_size
+        first_chunk += n_chunks[group]
+        if group_size == 0:
+            continue
+        skip = block_indices[group] % bpc
+        for d, ref in enumerate(refs):
+            base, stride, _, num_blocks = device[ref.tensor_idx]
+            off_base, off_stride, off_row_bytes, num_chunks = offloaded[ref.tensor_idx]
+            if group_ids.min() < 0 or group_ids.max() >= num_blocks:
+                raise BlockIdError(
+                    f"group {group}: a block id is out of range for ref {d}",
+                    group=group, position=-1, value=-1,
+                )  # fmt: skip
+            if group_chunks.min() < 0 or group_chunks.max() >= num_chunks:
+                raise OffloadedIdError(
+                    f"group {group}: an offloaded id is out of range for ref {d}"
+                )
+            ref_items, num_writers, writer_index = items[group][d]
+            if len(ref_items) == 0:
+                continue
+            # Base pointer of every block on each side (compute_sub_block_ptrs).
+            device_bases = base + group_ids * stride
+            all_subs = (
+                off_base
+                + group_chunks[:, None] * off_stride
+                + np.arange(bpc)[None, :] * (off_row_bytes // bpc)
+            ).ravel()
+            offloaded_bases = all_subs[skip : skip + group_size]
+            # Stores keep the blocks whose canonical page is this rank's.
+            if store and num_writers > 1:
+                page_ids = (group_chunks[:, None] * bpc + np.arange(bpc)).ravel()
+                writes = page_ids[skip : skip + group_size] % num_writers
+                device_bases = device_bases[writes == writer_index]
+                offloaded_bases = offloaded_bases[writes == writer_index]
+            device_ptrs = device_bases[:, None] + ref_items[None, :, 0]
+            offloaded_ptrs = offloaded_bases[:, None] + ref_items[None, :, 1]
+            shape = device_ptrs.shape
+            width, height = (np.broadcast_to(ref_items[:, c], shape) for c in (2, 3))
+            local_pitch, canonical_pitch = (
+                np.broadcast_to(ref_items[:, c], shape) for c in (4, 5)
+            )
+            if store:
+                plans.append(
+                    (device_ptrs, offloaded_ptrs, width, height, local_pitch,
+                     canonical_pitch)
+                )  # fmt: skip
+            else:
+                plans.append(
+                    (offloaded_ptrs, device_ptrs, width, height, canonical_pitch,
+                     local_pitch)
+                )  # fmt: skip
+    return plans

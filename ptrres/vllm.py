@@ -348,14 +348,13 @@ class _HandlerPlan:
         return views
 
 
-# A handler whose transfers vLLM itself builds (a canonical layout, for now).
-_VLLM_BUILDS = "vllm"
+def _handler_plan(handler: Any) -> _HandlerPlan:
+    """The handler's ptrres state, built once per handler, on its first transfer.
 
-
-def _handler_plan(handler: Any) -> _HandlerPlan | str:
-    """The handler's ptrres state, or _VLLM_BUILDS where vLLM keeps its own path.
-
-    Decided once per handler, on its first transfer.
+    Direct and canonical layouts alike: with ``canonical_layout=True`` the CPU
+    rows hold canonical pages and the refs carry their CanonicalPageMapping,
+    which the table reads, so plan_transfer() gives vLLM's
+    ``_fill_canonical_ops`` descriptors (writer rotation included).
     """
     if handler.gpu_to_cpu:
         device_tensors, cpu_tensors = handler.src_tensors, handler.dst_tensors
@@ -363,13 +362,11 @@ def _handler_plan(handler: Any) -> _HandlerPlan | str:
     else:
         device_tensors, cpu_tensors = handler.dst_tensors, handler.src_tensors
         blocks_per_chunk = handler.src_blocks_per_chunk
-    offloaded = _offloaded_layout(
+    offloaded = OffloadedLayout(
         cpu_tensors,
         blocks_per_chunk,
         canonical=handler._canonical_copy_plans is not None,
     )
-    if offloaded is None:
-        return _VLLM_BUILDS
     kv_caches = CanonicalKVCaches(
         [CanonicalKVCacheTensor(t, t.shape[1]) for t in device_tensors],
         handler.layer_refs_per_group,
@@ -381,21 +378,6 @@ def _handler_plan(handler: Any) -> _HandlerPlan | str:
         coalesce=_coalesce_requested()
         and handler._swap_blocks_batch is worker.ops.swap_blocks_batch,
     )
-
-
-def _offloaded_layout(
-    cpu_tensors: Any, blocks_per_chunk: int, *, canonical: bool
-) -> OffloadedLayout | None:
-    """The ptrres view of the handler's CPU tensors (None: vLLM builds).
-
-    The one place canonical layouts plug in: with canonical offloaded layouts
-    in ptrres this returns ``OffloadedLayout(cpu_tensors, blocks_per_chunk,
-    canonical=True)`` and transfer_async's plan_transfer call stays as it is
-    (the refs already carry their CanonicalPageMapping).
-    """
-    if canonical:
-        return None
-    return OffloadedLayout(cpu_tensors, blocks_per_chunk)
 
 
 def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
@@ -410,9 +392,8 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     if plan is None:
         plan = _handler_plan(self)
         setattr(self, _STATE_ATTRIBUTE, plan)
-    if plan is _VLLM_BUILDS or _applied is None:
+    if _applied is None:
         return bool(_vllm_transfer_async(self, job_id, src_spec, dst_spec))
-    assert isinstance(plan, _HandlerPlan)
     worker = sys.modules[WORKER_MODULE]
     if self.gpu_to_cpu:
         gpu_spec, offloaded_ids = src_spec, dst_spec.block_ids
@@ -437,6 +418,8 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     except BaseException:
         self._buffer_pool.append(buffers)
         raise
+    # A canonical store keeps only the blocks this rank writes: fewer ops than
+    # the buffers were sized for (vLLM's _estimate_max_copy_ops, an upper bound).
     num_ops = len(descriptors.src)
     src, dst, sizes = batch_src[:num_ops], batch_dst[:num_ops], batch_sizes[:num_ops]
 

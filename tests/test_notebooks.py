@@ -24,6 +24,7 @@ def test_the_notebooks_are_there() -> None:
         "01_resolving_pointers",
         "02_transfer_plans",
         "03_performance",
+        "04_canonical_layouts",
         "05_file_tier",
     ]
 

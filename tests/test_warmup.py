@@ -46,6 +46,18 @@ def exercise_every_kernel(id_dtype: type, dtype: torch.dtype = torch.int8) -> No
     table.plan_from_device_pointers(device_ptrs, offloaded, [2], store=True)
     ptrres.plan_file_ops(device_ptrs, 2, coalesce=True)
     table.plan_file_ops(spec, 2, layout="block-major")
+    # Canonical and strided plans (SPEC 10).
+    mapping = ptrres.CanonicalPageMapping(
+        page, page, (ptrres.CopyRun(0, 0, 1, page, 1, 1),), 2, 1, False
+    )
+    kv.group_data_refs[0][0].mapping = mapping
+    canonical = ptrres.OffloadedLayout(
+        [np.zeros((4, 2 * page), np.uint8)], 2, canonical=True
+    )
+    table = ptrres.PointerTable(kv)
+    for layout in (offloaded, canonical):
+        table.plan_strided_transfer(spec, layout, np.array([2], id_dtype), store=True)
+    table.plan_transfer(spec, canonical, [2], store=False, coalesce=True)
 
 
 def test_warmup_reports_every_kernel_signature() -> None:
@@ -58,6 +70,7 @@ def test_warmup_reports_every_kernel_signature() -> None:
         "coalesce_kernel",
         "block_ids_from_pointers",
         "plan_file_ops_kernel",
+        "canonical_plan_kernel",
     }
     hows = {k.how for k in report.kernels}
     if JIT_DISABLED:

@@ -9,9 +9,9 @@ anything is written). What a failed call wrote is never returned: the wrapper
 zeroes it. Scratch space, too, is allocated by the wrapper and passed in.
 
 One module per family: common (columns, statuses, shared helpers), resolve,
-plan, coalesce and files (the file tier). The wrappers call the kernels
-through this package (as ``_kernels.resolve_kernel``), so that a benchmark
-may swap one in.
+plan, coalesce, canonical (canonical and strided plans, SPEC 10) and files
+(the file tier, SPEC 11). The wrappers call the kernels through this package
+(as ``_kernels.resolve_kernel``), so that a benchmark may swap one in.
 
 Numba's on-disk cache of a kernel is invalidated by a change to the kernel's
 own file only: after editing a helper in common.py or coalesce.py, delete
@@ -19,6 +19,7 @@ own file only: after editing a helper in common.py or coalesce.py, delete
 kernels keep the old helper.
 """
 
+from .canonical import canonical_plan_kernel
 from .coalesce import coalesce_kernel
 from .common import (
     BAD_BLOCK_ID,
@@ -42,6 +43,7 @@ __all__ = [
     "OVERLAPPING_BUFFERS",
     "REF_COLUMNS",
     "block_ids_from_pointers",
+    "canonical_plan_kernel",
     "coalesce_kernel",
     "plan_file_ops_kernel",
     "plan_kernel",

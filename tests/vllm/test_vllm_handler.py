@@ -19,7 +19,6 @@ from vllm_harness import (
     make_layout,
     specs,
     stubbed_vllm,
-    worker,
 )
 
 import ptrres
@@ -367,43 +366,3 @@ def test_coalescing_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
         expected = transfer(handler, engine, 1, src, dst)
         plugin.patch()
         assert_same(expected, transfer(handler, engine, 2, src, dst))
-
-
-# --- canonical layouts: vLLM's own path, for now -------------------------------
-
-
-def test_canonical_handlers_keep_vllms_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until ptrres plans canonical layouts, their handlers run vLLM's fill."""
-    from vllm.v1.kv_offload.base import CanonicalPageMapping, CopyRun
-
-    engine = CopyEngine()
-    layout = make_layout([(8, 32, 0)], [[(0, 32)]], 2, 4)
-    mapping = CanonicalPageMapping(32, 32, (CopyRun(0, 0, 8, 4, 8, 8),), 1, 0, True)
-    refs = [[worker.CanonicalKVCacheRef(0, 32, mapping)]]
-    fills: list[int] = []
-    original_fill = worker.SingleDirectionOffloadingHandler._fill_canonical_ops
-
-    def counted_fill(self: Any, *args: Any, **kwargs: Any) -> Any:
-        fills.append(1)
-        return original_fill(self, *args, **kwargs)
-
-    monkeypatch.setattr(
-        worker.SingleDirectionOffloadingHandler, "_fill_canonical_ops", counted_fill
-    )
-    with stubbed_vllm(engine):
-        handler = worker.SingleDirectionOffloadingHandler(
-            gpu_tensors=layout.gpu_tensors,
-            cpu_tensors=layout.cpu_tensors,
-            blocks_per_chunk=2,
-            layer_refs_per_group=refs,
-            gpu_to_cpu=True,
-            canonical_layout=True,
-        )
-        src, dst = specs([1, 2, 3], [3], [0], [0, 1], gpu_to_cpu=True)
-        expected = transfer(handler, engine, 1, src, dst)
-        plugin.patch()
-        assert_same(expected, transfer(handler, engine, 2, src, dst))
-        assert_same(expected, transfer(handler, engine, 3, src, dst))
-    assert handler._ptrres_plan == plugin._VLLM_BUILDS
-    assert len(fills) == 3  # vLLM filled every transfer
-    assert len(expected[0][0]) == 3 * 4  # 4 fragments per block

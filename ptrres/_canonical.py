@@ -1,0 +1,441 @@
+"""Canonical offloaded layouts and strided plans (SPEC 10), the Python side.
+
+A table reads its refs' mappings when it is built. The first plan against a
+canonical OffloadedLayout checks them and flattens them into int64 tables
+(every ref's fragments, every ref's runs), cached with the layout as the
+direct plan caches its offloaded table: later plans only coerce their ids and
+run one kernel, with no Python loop over runs or fragments.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _kernels
+from ._args import (
+    INT64,
+    SPEC_FIELDS,
+    SRC_DST_SIZES,
+    as_int,
+    as_list,
+    attributes,
+    block_ids_arg,
+    missing_attributes,
+    out_arrays,
+)
+from ._diagnose import overlap_error, plan_error
+from ._errors import InputTypeError, LayoutError
+from ._geometry import RefRow, tensor_geometry
+from ._kernels import canonical as ck
+from ._offloaded import OffloadedLayout
+from ._results import StridedTransferPlan, TransferPlan
+
+if TYPE_CHECKING:
+    from ._table import GroupCounts, PointerTable
+
+MAPPING_FIELDS = (
+    "canonical_page_size_bytes",
+    "local_page_size_bytes",
+    "runs",
+    "num_writers",
+    "writer_index",
+)
+RUN_FIELDS = (
+    "local_offset",
+    "canonical_offset",
+    "fragment_size",
+    "num_fragments",
+    "local_stride",
+    "canonical_stride",
+)
+# The out= buffers of a strided plan, in order.
+STRIDED_BUFFERS = (
+    *SRC_DST_SIZES[:2],
+    "out[2] (width)",
+    "out[3] (height)",
+    "out[4] (src_pitch)",
+    "out[5] (dst_pitch)",
+)
+# Stand-ins for the outputs a flat plan does not write.
+_NO_ROWS = np.empty(0, np.uint64)
+
+IntTable = npt.NDArray[np.int64]
+
+
+class RefMapping(NamedTuple):
+    """A ref's mapping as the table read it, with the bytes its page may span."""
+
+    # The ref's mapping object (vLLM's or ours), or None.
+    mapping: Any
+    # The ref's page must end within this many bytes of its row start.
+    row_limit: int
+
+
+class PlanTables(NamedTuple):
+    """Everything the kernel needs about one (table, offloaded layout)."""
+
+    offloaded: OffloadedLayout
+    # (n_refs, OFF_COLUMNS): the offloaded tensor of each ref.
+    offloaded_refs: IntTable
+    # Per-ref item ranges and writers, and the items, (ITEM_COLUMNS, n_items):
+    # fragments (flat plans).
+    fragment_refs: IntTable
+    fragments: IntTable
+    # The same for runs (strided plans).
+    run_refs: IntTable
+    runs: IntTable
+    # Fragments and runs one block of each group adds, over all its refs.
+    group_fragments: tuple[int, ...]
+    group_runs: tuple[int, ...]
+
+
+def read_ref_mappings(kv_caches: Any) -> tuple[RefMapping, ...]:
+    """Each ref's mapping (or None), in copy order, and its row's byte limit.
+
+    Called once the table has read (and checked) the layout; the mappings are
+    checked when a canonical layout first needs them.
+    """
+    tensors = as_list(kv_caches.tensors, "kv_caches.tensors")
+    limits = []
+    for t, entry in enumerate(tensors):
+        geometry = tensor_geometry(entry.tensor, t)
+        limits.append(min(geometry.row_stride_bytes, geometry.row_bytes))
+    return tuple(
+        RefMapping(getattr(ref, "mapping", None), limits[ref.tensor_idx])
+        for refs in as_list(kv_caches.group_data_refs, "group_data_refs")
+        for ref in as_list(refs, "group_data_refs[]")
+    )
+
+
+def plan_tables(table: PointerTable, offloaded: Any) -> PlanTables:
+    """The kernel tables of a table with an offloaded layout, checked, cached."""
+    cached = table._canonical
+    if cached is not None and cached.offloaded is offloaded:
+        return cached
+    if not isinstance(offloaded, OffloadedLayout):
+        raise InputTypeError(
+            f"offloaded must be an OffloadedLayout, got {type(offloaded).__name__}"
+        )
+    if offloaded.canonical:
+        tables = _canonical_tables(table, offloaded)
+    else:
+        tables = _direct_tables(table, offloaded)
+    table._canonical = tables
+    return tables
+
+
+def _direct_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTables:
+    """A direct layout as items: each ref one whole-page row, one writer."""
+    pages = [ref.page_size_bytes for group in table._groups for ref in group]
+    n_refs = len(pages)
+    items = np.zeros((n_refs, ck.ITEM_COLUMNS), np.int64)
+    items[:, ck.WIDTH] = pages
+    items[:, ck.HEIGHT] = 1
+    items[:, ck.LOCAL_STRIDE] = pages
+    items[:, ck.CANONICAL_STRIDE] = pages
+    ref_items = np.zeros((n_refs, ck.REF_ITEM_COLUMNS), np.int64)
+    ref_items[:, ck.FIRST_ITEM] = np.arange(n_refs)
+    ref_items[:, ck.END_ITEM] = np.arange(1, n_refs + 1)
+    ref_items[:, ck.NUM_WRITERS] = 1
+    ref_items[:, ck.BLOCK_BYTES] = pages
+    counts = table.group_data_ref_counts
+    return PlanTables(
+        offloaded,
+        table._offloaded_refs(offloaded),
+        ref_items,
+        _by_column(items),
+        ref_items,
+        _by_column(items),
+        counts,
+        counts,
+    )
+
+
+def _canonical_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTables:
+    """Check every ref's mapping against its row and sub-block; flatten them."""
+    offloaded_rows = []
+    fragment_refs, run_refs = [], []
+    fragments: list[npt.NDArray[np.int64]] = []
+    runs: list[tuple[int, ...]] = []
+    n_fragments = 0
+    group_fragments, group_runs = [], []
+    ref_mappings = iter(table._ref_mappings)
+    for group, refs in enumerate(table._groups):
+        fragments_before, runs_before = n_fragments, len(runs)
+        for d, ref in enumerate(refs):
+            mapping, row_limit = next(ref_mappings)
+            fields, ref_runs = _read_mapping(mapping, group, d)
+            canonical_page, local_page, n_writers, writer = fields
+            where = f"group {group}, ref {d} (tensor {ref.tensor_idx})"
+            if local_page > row_limit:
+                raise LayoutError(
+                    f"{where}: the mapping's local page of {local_page} B is "
+                    f"larger than a row of the tensor ({row_limit} B)"
+                )
+            offloaded_rows.append(_offloaded_row(offloaded, ref, canonical_page, where))
+            first_run, first_fragment = len(runs), n_fragments
+            block_bytes = 0
+            for r, run in enumerate(ref_runs):
+                _check_run(run, local_page, canonical_page, f"{where}, run {r}")
+                offset, canonical, size, count, stride, canonical_stride = run
+                if count == 0:
+                    continue
+                runs.append(run)
+                rows = np.arange(count, dtype=np.int64)
+                run_fragments = np.zeros((count, ck.ITEM_COLUMNS), np.int64)
+                run_fragments[:, ck.LOCAL_OFFSET] = offset + rows * stride
+                run_fragments[:, ck.CANONICAL_OFFSET] = (
+                    canonical + rows * canonical_stride
+                )
+                run_fragments[:, ck.WIDTH] = size
+                run_fragments[:, ck.HEIGHT] = 1
+                run_fragments[:, ck.LOCAL_STRIDE] = size
+                run_fragments[:, ck.CANONICAL_STRIDE] = size
+                fragments.append(run_fragments)
+                n_fragments += count
+                block_bytes += size * count
+            fragment_refs.append(
+                (first_fragment, n_fragments, n_writers, writer, block_bytes)
+            )
+            run_refs.append((first_run, len(runs), n_writers, writer, block_bytes))
+        group_fragments.append(n_fragments - fragments_before)
+        group_runs.append(len(runs) - runs_before)
+    return PlanTables(
+        offloaded,
+        _int_table(offloaded_rows, _kernels.OFF_COLUMNS),
+        _int_table(fragment_refs, ck.REF_ITEM_COLUMNS),
+        _by_column(
+            np.concatenate(fragments) if fragments else _int_table([], ck.ITEM_COLUMNS)
+        ),
+        _int_table(run_refs, ck.REF_ITEM_COLUMNS),
+        _by_column(_int_table(runs, ck.ITEM_COLUMNS)),
+        tuple(group_fragments),
+        tuple(group_runs),
+    )
+
+
+def _int_table(rows: list[Any], columns: int) -> IntTable:
+    return np.array(rows, dtype=np.int64).reshape(len(rows), columns)
+
+
+def _by_column(items: IntTable) -> IntTable:
+    """Items as the kernel takes them: one contiguous row per column."""
+    return np.ascontiguousarray(items.T)
+
+
+def _read_mapping(
+    mapping: Any, group: int, d: int
+) -> tuple[tuple[int, int, int, int], list[tuple[int, ...]]]:
+    """A ref's mapping fields and runs as ints, checked on their own."""
+    where = f"group {group}, ref {d}"
+    if mapping is None:
+        raise LayoutError(
+            f"{where} has no mapping, but the offloaded layout is canonical: "
+            "every ref needs one (vLLM's canonical_layout)"
+        )
+    raw = attributes(mapping, MAPPING_FIELDS, f"{where}: mapping")
+    canonical_page, local_page, n_writers, writer = (
+        as_int(raw[i], "{}: mapping.{}", where, MAPPING_FIELDS[i]) for i in (0, 1, 3, 4)
+    )
+    for name, value in (
+        ("canonical_page_size_bytes", canonical_page),
+        ("local_page_size_bytes", local_page),
+    ):
+        if value < 0:
+            raise LayoutError(f"{where}: mapping.{name} is negative ({value})")
+    if n_writers < 1:
+        raise LayoutError(f"{where}: mapping.num_writers must be >= 1, got {n_writers}")
+    if not 0 <= writer < n_writers:
+        raise LayoutError(
+            f"{where}: mapping.writer_index {writer} is outside [0, {n_writers}) "
+            "(num_writers)"
+        )
+    runs = []
+    for r, run in enumerate(as_list(raw[2], f"{where}: mapping.runs")):
+        raw_run = attributes(run, RUN_FIELDS, f"{where}, run {r}")
+        runs.append(
+            tuple(
+                as_int(value, "{}, run {}: {}", where, r, name)
+                for value, name in zip(raw_run, RUN_FIELDS)
+            )
+        )
+    return (canonical_page, local_page, n_writers, writer), runs
+
+
+def _check_run(
+    run: tuple[int, ...], local_page: int, canonical_page: int, where: str
+) -> None:
+    """A run's fields are not negative and its fragments lie inside both pages."""
+    for name, value in zip(RUN_FIELDS, run):
+        if value < 0:
+            raise LayoutError(f"{where}: {name} is negative ({value})")
+    offset, canonical, size, count, stride, canonical_stride = run
+    if count == 0:
+        return
+    for side, start, step, page in (
+        ("local", offset, stride, local_page),
+        ("canonical", canonical, canonical_stride, canonical_page),
+    ):
+        end = start + (count - 1) * step + size
+        if end > page:
+            raise LayoutError(
+                f"{where}: fragment {count - 1} ends at byte {end}, outside the "
+                f"{side} page ({page} B)"
+            )
+
+
+def _offloaded_row(
+    offloaded: OffloadedLayout, ref: RefRow, canonical_page: int, where: str
+) -> tuple[int, ...]:
+    """The offloaded tensor of a ref, whose sub-blocks must hold its canonical page."""
+    if ref.tensor_idx >= len(offloaded.geometries):
+        raise LayoutError(
+            f"{where} has no offloaded tensor (there are {len(offloaded.geometries)})"
+        )
+    geometry = offloaded.geometries[ref.tensor_idx]
+    if canonical_page > geometry.sub_bytes:
+        raise LayoutError(
+            f"{where}: its canonical page of {canonical_page} B is larger than a "
+            f"sub-block of offloaded tensors[{ref.tensor_idx}] ({geometry.sub_bytes} "
+            f"B: a row of {geometry.sub_bytes * offloaded.blocks_per_chunk} B "
+            f"holds {offloaded.blocks_per_chunk} canonical pages)"
+        )
+    return tuple(geometry)
+
+
+def plan(
+    table: PointerTable,
+    block_ids: npt.NDArray[Any],
+    counts: GroupCounts,
+    offloaded: OffloadedLayout,
+    offloaded_ids: Any,
+    store: bool,
+    out: Any,
+    coalesce: bool,
+    max_run: int,
+) -> TransferPlan:
+    """The flat plan of a canonical layout (_plan.run_plan dispatches here)."""
+    tables = plan_tables(table, offloaded)
+    n_ops = 0
+    for n, fragments in zip(counts.group_sizes, tables.group_fragments):
+        n_ops += n * fragments
+    src, dst, sizes = out_arrays(out, n_ops, SRC_DST_SIZES)
+    written, num_bytes, block_ids, chunk_ids = _fill(
+        table, tables, False, block_ids, counts, offloaded_ids, store,
+        (src, dst, sizes, _NO_ROWS, _NO_ROWS, _NO_ROWS),
+    )  # fmt: skip
+    if written < 0:
+        if written == _kernels.OVERLAPPING_BUFFERS:
+            raise overlap_error("out's src, dst and sizes, and the ids")
+        raise _id_error(
+            table, (src, dst, sizes), block_ids, counts, chunk_ids, offloaded
+        )
+    if coalesce and written:
+        src, dst, sizes = src[:written], dst[:written], sizes[:written]
+        written = _kernels.coalesce_kernel(src, dst, sizes, max_run, src, dst, sizes)
+    if written < n_ops:
+        src, dst, sizes = src[:written], dst[:written], sizes[:written]
+    return TransferPlan(src, dst, sizes, num_bytes)
+
+
+def plan_strided(
+    table: PointerTable,
+    device_spec: Any,
+    offloaded: OffloadedLayout,
+    offloaded_ids: Any,
+    store: bool,
+    out: Any,
+) -> StridedTransferPlan:
+    """PointerTable.plan_strided_transfer: one 2-D descriptor per (block, ref, run)."""
+    if type(store) is not bool:
+        raise InputTypeError(f"store must be True or False, got {store!r}")
+    try:
+        raw_ids = device_spec.block_ids
+        raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
+    except AttributeError:
+        raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
+    block_ids = block_ids_arg(raw_ids)
+    counts = table._check_groups(raw_sizes, raw_indices, len(block_ids))
+    tables = plan_tables(table, offloaded)
+    n_ops = 0
+    for n, runs in zip(counts.group_sizes, tables.group_runs):
+        n_ops += n * runs
+    outputs = tuple(out_arrays(out, n_ops, STRIDED_BUFFERS))
+    written, num_bytes, block_ids, chunk_ids = _fill(
+        table, tables, True, block_ids, counts, offloaded_ids, store, outputs
+    )
+    if written < 0:
+        if written == _kernels.OVERLAPPING_BUFFERS:
+            raise overlap_error("out's six buffers, and the ids")
+        raise _id_error(table, outputs, block_ids, counts, chunk_ids, offloaded)
+    src, dst, width, height, src_pitch, dst_pitch = (o[:written] for o in outputs)
+    return StridedTransferPlan(src, dst, width, height, src_pitch, dst_pitch, num_bytes)
+
+
+def _fill(
+    table: PointerTable,
+    tables: PlanTables,
+    strided: bool,
+    block_ids: npt.NDArray[Any],
+    counts: GroupCounts,
+    offloaded_ids: Any,
+    store: bool,
+    outputs: tuple[npt.NDArray[np.uint64], ...],
+) -> tuple[int, int, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Run the kernel; return its status or count, the bytes, and the ids."""
+    if block_ids.dtype is not INT64:
+        block_ids = block_ids.astype(np.int64)
+    chunk_ids = block_ids_arg(offloaded_ids, "offloaded_ids")
+    if chunk_ids.dtype is not INT64:
+        chunk_ids = chunk_ids.astype(np.int64)
+    # Room for the chunk, sub-block and kept index of each block of a group:
+    # sized by all the ids, as in _plan.run_plan.
+    scratch = np.empty((3, len(block_ids)), np.int64)
+    totals = np.zeros(1, np.int64)
+    ref_items, items = (
+        (tables.run_refs, tables.runs)
+        if strided
+        else (tables.fragment_refs, tables.fragments)
+    )
+    written = _kernels.canonical_plan_kernel(
+        table.ref_table,
+        table.group_ref_start,
+        tables.offloaded_refs,
+        ref_items,
+        items,
+        block_ids,
+        table._groups_array(counts.group_sizes, counts.block_indices),
+        chunk_ids,
+        tables.offloaded.blocks_per_chunk,
+        store,
+        strided,
+        scratch,
+        outputs[0],
+        outputs[1],
+        outputs[2],
+        outputs[3],
+        outputs[4],
+        outputs[5],
+        totals,
+    )
+    return int(written), int(totals[0]), block_ids, chunk_ids
+
+
+def _id_error(
+    table: PointerTable,
+    outputs: tuple[npt.NDArray[np.uint64], ...],
+    block_ids: npt.NDArray[np.int64],
+    counts: GroupCounts,
+    chunk_ids: npt.NDArray[np.int64],
+    offloaded: OffloadedLayout,
+) -> Exception:
+    """Zero the outputs; the error of the direct plan for the same ids."""
+    for output in outputs:
+        output[:] = 0
+    return plan_error(
+        table._groups, block_ids, counts.group_sizes, counts.block_indices,
+        chunk_ids, offloaded,
+    )  # fmt: skip
