@@ -1,12 +1,25 @@
-"""warmup(): compile, or load from Numba's cache, every kernel up front."""
+"""warmup(): compile, or load from Numba's cache, every kernel up front.
+
+Numba's compiler is single-threaded and holds a process-wide lock, so on an
+empty cache warmup() compiles the missing kernels in several processes at
+once, as PyTorch Inductor's compile workers do: this process compiles one
+share, fresh interpreters compile the others into the on-disk cache, and this
+process then loads them from it. With a warm cache (every later start) nothing
+is spawned.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import _config
 from ._config import KERNELS
 
 
@@ -27,6 +40,9 @@ class WarmupReport:
 
     kernels: tuple[CompiledKernel, ...]
     seconds: float
+    # Processes that compiled kernels: 1 when this one did it alone (or had
+    # nothing to compile), more when an empty cache was filled in parallel.
+    processes: int = 1
 
     def count(self, how: str) -> int:
         """Signatures that were made ready this way ("loaded", "compiled"...)."""
@@ -44,12 +60,19 @@ class WarmupReport:
         )
 
 
-def warmup() -> WarmupReport:
+def warmup(*, processes: int | None = None) -> WarmupReport:
     """Make every kernel ready, so that no later call compiles anything.
 
     Each kernel is compiled for every signature it is called with, or loaded
     from Numba's on-disk cache, then closed to new specialisations. A server
     calls this once at start-up; calling it again costs next to nothing.
+
+    Args:
+        processes: how many processes may compile kernels that are not in the
+            cache: this one and up to ``processes - 1`` fresh interpreters
+            (``sys.executable``), which write them to the cache. The default
+            is the number of CPUs this process may use; 1 compiles here only.
+            Without a usable cache, everything compiles here.
 
     Returns:
         A WarmupReport saying, for each kernel signature, whether it was loaded
@@ -58,15 +81,21 @@ def warmup() -> WarmupReport:
     start = time.perf_counter()
     done = []
     with _lock:
+        parallel = _compile_in_parallel(
+            _usable_cpus() if processes is None else processes
+        )
         for dispatcher, signatures in KERNELS:
             name = getattr(dispatcher, "__name__", repr(dispatcher))
             for signature in signatures:
                 how = _make_ready(dispatcher, signature)
+                if (id(dispatcher), signature) in parallel:
+                    how = "compiled"  # here or by a worker, for this warmup
                 done.append(CompiledKernel(name, signature, how))
             if hasattr(dispatcher, "disable_compile"):
                 dispatcher.disable_compile()
                 _closed.add(id(dispatcher))
-    return WarmupReport(tuple(done), time.perf_counter() - start)
+    processes_used = len(set(parallel.values())) or 1
+    return WarmupReport(tuple(done), time.perf_counter() - start, processes_used)
 
 
 # Kernels that warmup() has closed to new specialisations (by id).
@@ -88,3 +117,129 @@ def _make_ready(dispatcher: Any, signature: str) -> str:
     if sum(dispatcher.stats.cache_hits.values()) > hits:
         return "loaded"
     return "compiled"
+
+
+# A worker: compile the given (module, kernel, signature) triples, which
+# Numba saves to its cache. Its stdout is unused; errors go to its stderr.
+_WORKER = """
+import importlib, json, sys
+sys.path.insert(0, sys.argv[1])
+for module, name, signature in json.loads(sys.argv[2]):
+    getattr(importlib.import_module(module), name).compile(signature)
+"""
+# The longest a worker may take before its share is compiled here instead.
+WORKER_TIMEOUT = 600.0
+
+
+def _compile_in_parallel(processes: int) -> dict[tuple[int, str], int]:
+    """Compile the uncached kernels in ``processes`` processes at once.
+
+    This process compiles the first share; each other share goes to a fresh
+    interpreter that compiles it into Numba's on-disk cache, from which the
+    caller then loads it. A worker that cannot start or fails leaves its share
+    uncached, and the caller compiles it itself: nothing is lost but time.
+
+    Returns:
+        For each (kernel id, signature) compiled in parallel, the process
+        that compiled it: 0 for this one, 1 and up for workers. Empty when
+        everything is left to the caller.
+    """
+    if processes < 2 or _config.cache_refused is not None or not sys.executable:
+        return {}
+    missing = [
+        (dispatcher, signature)
+        for dispatcher, signatures in KERNELS
+        if hasattr(dispatcher, "compile") and id(dispatcher) not in _closed
+        for signature in signatures
+        if not _cached(dispatcher, signature)
+    ]
+    if len(missing) < 2:
+        return {}
+    shares = _shares(missing, processes)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    workers = []
+    for worker, share in enumerate(shares[1:], 1):
+        triples = [(d.py_func.__module__, d.__name__, s) for d, s in share]
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _WORKER, package_parent, json.dumps(triples)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        except OSError:
+            shares[0].extend(share)  # no worker: compiled here after all
+            continue
+        workers.append((worker, process, share))
+    compiled = {}
+    for dispatcher, signature in shares[0]:
+        dispatcher.compile(signature)
+        compiled[id(dispatcher), signature] = 0
+    for worker, process, share in workers:
+        try:
+            process.wait(WORKER_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        for dispatcher, signature in share:
+            if _cached(dispatcher, signature):
+                compiled[id(dispatcher), signature] = worker
+    return compiled
+
+
+def _shares(
+    missing: list[tuple[Any, str]], processes: int
+) -> list[list[tuple[Any, str]]]:
+    """Split the signatures to compile into shares of about equal cost.
+
+    A signature's cost is taken as the bytecode of its kernel's module (the
+    kernel and the helpers beside it, which compile into it) over the
+    signatures of that module: largest first, each to the cheapest share.
+    """
+    cost = {}
+    for dispatcher, _ in missing:
+        module = sys.modules[dispatcher.py_func.__module__]
+        functions = [
+            getattr(value, "py_func", value)
+            for value in vars(module).values()
+            if getattr(getattr(value, "py_func", value), "__module__", None)
+            == module.__name__
+        ]
+        size = sum(len(f.__code__.co_code) for f in functions if hasattr(f, "__code__"))
+        n_signatures = sum(
+            len(sigs) for d, sigs in KERNELS if d.py_func.__module__ == module.__name__
+        )
+        cost[id(dispatcher)] = size / max(n_signatures, 1)
+    shares: list[list[tuple[Any, str]]] = [
+        [] for _ in range(min(processes, len(missing)))
+    ]
+    totals = [0.0] * len(shares)
+    for dispatcher, signature in sorted(missing, key=lambda item: -cost[id(item[0])]):
+        cheapest = totals.index(min(totals))
+        shares[cheapest].append((dispatcher, signature))
+        totals[cheapest] += cost[id(dispatcher)]
+    return shares
+
+
+def _cached(dispatcher: Any, signature: str) -> bool:
+    """Whether Numba's on-disk cache holds this signature of this kernel.
+
+    It reads the kernel's cache index, as Numba does before loading: the key
+    holds the signature, the machine and a hash of the kernel's bytecode.
+    Where Numba's cache cannot be read that way, it answers True: the kernel
+    is then made ready here, as without parallel compilation.
+    """
+    try:
+        cache = dispatcher._cache
+        key = cache._index_key(signature, dispatcher.targetctx.codegen())
+        return key in cache._cache_file._load_index()
+    except Exception:  # another Numba's internals: never worse than serial
+        return True
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

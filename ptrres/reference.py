@@ -42,8 +42,8 @@ from ._results import (
 __all__ = [
     "coalesce",
     "iter_pointer_groups",
-    "plan_file_ops",
     "plan_canonical_transfer",
+    "plan_file_ops",
     "plan_strided_transfer",
     "plan_transfer",
     "resolve_device_pointers",

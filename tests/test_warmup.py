@@ -9,6 +9,7 @@ import sys
 import warnings
 from collections import Counter
 from types import SimpleNamespace
+from typing import Any
 
 import numba
 import numpy as np
@@ -202,3 +203,89 @@ def test_nowhere_to_cache_compiles_uncached_with_one_warning(monkeypatch) -> Non
     assert "NUMBA_CACHE_DIR" in str(caught[0].message)
     assert _config.cache_refused is not None
     assert options_seen == [True, False, False]  # the second never tries to cache
+
+
+PARALLEL = """
+import json, sys
+import numpy as np
+sys.path.insert(0, "tests")
+import ptrres
+from ptrres import reference
+from ptrres._config import KERNELS
+from test_warmup import exercise_every_kernel
+if sys.argv[2] == "no-interpreter":
+    sys.executable = "/nonexistent/python"
+report = ptrres.warmup(processes=int(sys.argv[1]))
+counts = {id(d): len(d.overloads) for d, _ in KERNELS}
+for id_dtype in (np.int32, np.int64):
+    exercise_every_kernel(id_dtype)
+tensor = np.arange(64, dtype=np.int8).reshape(8, 8)
+kv = ptrres.CanonicalKVCaches(
+    [ptrres.CanonicalKVCacheTensor(tensor, 8)], [[ptrres.CanonicalKVCacheRef(0, 6)]]
+)
+spec = ptrres.GPULoadStoreSpec(np.array([5, 2, 7]))
+ours = ptrres.PointerTable(kv).resolve(spec)
+theirs = reference.resolve_device_pointers(spec, kv)
+grown = [d.__name__ for d, _ in KERNELS if len(d.overloads) != counts[id(d)]]
+print(json.dumps({
+    "processes": report.processes,
+    "hows": sorted({k.how for k in report.kernels}),
+    "compiled_after": grown,
+    "same": ours.ptrs.tolist() == theirs.ptrs.tolist(),
+}))
+"""
+
+
+def warm_up_in_a_fresh_process(cache: str, processes: int, how: str = "") -> Any:
+    """warmup(processes=...) in a fresh interpreter caching into ``cache``."""
+    result = subprocess.run(
+        [sys.executable, "-c", PARALLEL, str(processes), how],
+        env=dict(os.environ, NUMBA_CACHE_DIR=cache),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
+def test_an_empty_cache_is_filled_by_several_processes(tmp_path) -> None:
+    """Cold: two processes compile, and what the worker compiled is what this
+    process runs. Warm: everything loads, and nothing is spawned."""
+    cold = warm_up_in_a_fresh_process(str(tmp_path), 2)
+    assert cold == {
+        "processes": 2, "hows": ["compiled"], "compiled_after": [], "same": True
+    }  # fmt: skip
+    warm = warm_up_in_a_fresh_process(str(tmp_path), 2)
+    assert warm == {
+        "processes": 1, "hows": ["loaded"], "compiled_after": [], "same": True
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
+def test_without_a_worker_everything_compiles_here(tmp_path) -> None:
+    """A worker that cannot start costs only time: its share compiles here."""
+    report = warm_up_in_a_fresh_process(str(tmp_path), 2, "no-interpreter")
+    assert report == {
+        "processes": 1, "hows": ["compiled"], "compiled_after": [], "same": True
+    }  # fmt: skip
+
+
+def test_shares_split_every_signature_once() -> None:
+    """Largest first, each to the cheapest share; never more shares than work."""
+    if JIT_DISABLED:
+        pytest.skip("kernels are plain functions without the JIT")
+    missing = [(d, s) for d, signatures in KERNELS for s in signatures]
+    for processes in (2, 3, len(missing) + 5):
+        shares = _warmup._shares(missing, processes)
+        assert len(shares) == min(processes, len(missing))
+        assert all(shares)
+        assert sorted((id(d), s) for share in shares for d, s in share) == sorted(
+            (id(d), s) for d, s in missing
+        )
+
+
+def test_unreadable_cache_counts_as_cached() -> None:
+    """An object whose cache cannot be read is left to the serial path."""
+    assert _warmup._cached(FakeDispatcher(cached=set()), "int64(int64)")
