@@ -16,7 +16,7 @@ import numpy as np
 
 import ptrres
 from ptrres import reference
-from ptrres._bench import (
+from ptrres.bench import (
     PRESETS,
     compare,
     geometric_mean,

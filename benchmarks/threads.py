@@ -28,8 +28,8 @@ import numpy as np
 
 import ptrres
 from ptrres import _kernels
-from ptrres._bench import PRESETS, make_spec
 from ptrres._config import JIT_OPTIONS
+from ptrres.bench import PRESETS, make_spec
 
 
 def run_threads(n_threads: int, calls: int, call: Callable[[int], object]) -> float:

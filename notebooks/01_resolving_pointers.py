@@ -39,7 +39,7 @@ from matplotlib.patches import Patch, Rectangle
 
 import ptrres
 from ptrres import reference
-from ptrres._bench import vllm_style_resolve
+from ptrres.bench import vllm_style_resolve
 
 plt.rcParams.update({"figure.dpi": 80, "savefig.dpi": 80})
 generator = torch.Generator().manual_seed(0)

@@ -41,7 +41,7 @@ from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 import ptrres
 from ptrres import reference
-from ptrres._bench import PRESETS, make_offloaded_ids, make_spec
+from ptrres.bench import PRESETS, make_offloaded_ids, make_spec
 
 plt.rcParams.update({"figure.dpi": 80, "savefig.dpi": 80})
 generator = torch.Generator().manual_seed(0)
@@ -317,7 +317,7 @@ print(
 # %% [markdown]
 # ## Coalescing at model scale
 #
-# The model-shaped layouts of `ptrres._bench` are virtual (pointer math only,
+# The model-shaped layouts of `ptrres.bench` are virtual (pointer math only,
 # no memory), so a 70B model's plan costs nothing to build here. Block ids come
 # in runs of up to 16 consecutive blocks, as an allocator hands them out after
 # some churn; each group's chunks are consecutive. Runs then merge up to 16

@@ -17,7 +17,7 @@
 # # Performance: ptrres against numpy
 #
 # Every number below is measured when the notebook runs, side by side in this
-# process: `ptrres._bench.compare` calibrates a batch of calls per contender,
+# process: `ptrres.bench.compare` calibrates a batch of calls per contender,
 # then runs the batches in turn for several rounds and keeps the medians, so a
 # noisy neighbour slows every contender alike. Absolute times depend on the
 # machine and its load; the ratios are the figures (SPEC section 9).
@@ -32,7 +32,7 @@
 # - **numpy fill**: `fill()` of output buffers of the same length. No resolver
 #   can write its output faster than that: it is the physical limit.
 #
-# The layouts are virtual (`ptrres._bench.PRESETS`): pointer math only, no
+# The layouts are virtual (`ptrres.bench.PRESETS`): pointer math only, no
 # memory behind them. `SECONDS` sets how long each comparison runs; raise it
 # for smoother curves.
 
@@ -42,7 +42,7 @@ import numpy as np
 
 import ptrres
 from ptrres import reference
-from ptrres._bench import (
+from ptrres.bench import (
     PRESETS,
     compare,
     geometric_mean,

@@ -20,15 +20,13 @@ from ._pointer_utils import (
     iter_pointer_groups,
     resolve_device_pointers,
 )
+from ._results import DevicePointerGroupInfo, DevicePointers, TransferPlan
 from ._table import PointerTable
 from ._types import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
-    DevicePointerGroupInfo,
-    DevicePointers,
     GPULoadStoreSpec,
-    TransferPlan,
 )
 from ._warmup import CompiledKernel, WarmupReport, warmup
 

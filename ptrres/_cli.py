@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ._bench import (
+from .bench import (
     BENCH_BLOCKS_PER_CHUNK,
     OPERATIONS,
     PRESETS,

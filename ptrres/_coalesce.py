@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 
 from . import _kernels
+from ._args import SRC_DST_SIZES, descriptor_array, max_run_arg, out_arrays
+from ._diagnose import overlap_error
 from ._errors import SpecError
-from ._layout import SRC_DST_SIZES, descriptor_array, out_arrays, overlap_error
-from ._table import max_run_arg
-from ._types import TransferPlan
+from ._results import TransferPlan
 
 
 def coalesce(

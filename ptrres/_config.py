@@ -50,14 +50,19 @@ def kernel(*signatures: str) -> Callable[[F], F]:
 
 
 def inline_helper(function: F) -> F:
-    """Compile a function called only from kernels.
+    """Compile a function called only from kernels, into the kernels.
 
     It is compiled for the types its callers pass and linked into them, so it
-    needs no signatures of its own and warmup() does not list it. (Numba's
-    IR-level ``inline="always"`` was tried: it made no difference to the
-    kernels' speed and added compile time.)
+    needs no signatures of its own and warmup() does not list it. It gets no
+    wrappers for calls from Python or C, and no cache entry of its own (its
+    callers' entries hold its code): with them, each helper cost about twice
+    the compile time. (Numba's IR-level ``inline="always"`` was tried, with
+    and without them: no faster kernels, and more compile time.)
     """
-    return _jit(function)
+    options = dict(
+        JIT_OPTIONS, cache=False, no_cpython_wrapper=True, no_cfunc_wrapper=True
+    )
+    return numba.njit(**options)(function)  # type: ignore[no-any-return]
 
 
 # Why Numba cannot cache kernels in this process (None while it can).

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from ._layout import OffloadedGeometry, as_int, read_offloaded
+from ._args import as_int
+from ._geometry import OffloadedGeometry, read_offloaded
 
 
 class OffloadedLayout:

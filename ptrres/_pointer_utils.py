@@ -7,10 +7,11 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._args import GROUP_FIELDS, as_int, as_list, attributes
 from ._errors import SpecError
-from ._layout import GROUP_FIELDS, as_int, as_list, attributes, num_chunks
+from ._geometry import num_chunks
+from ._results import DevicePointerGroupInfo, DevicePointers
 from ._table import PointerTable
-from ._types import DevicePointerGroupInfo, DevicePointers
 
 # Tables built by resolve_device_pointers, keyed by id(kv_caches). An entry is
 # (reference to kv_caches, its tensors list, its group_data_refs list, table).

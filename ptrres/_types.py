@@ -1,4 +1,4 @@
-"""The data model, with vLLM's names and fields.
+"""What callers pass in, with vLLM's names and fields.
 
 Every function of ptrres also accepts any object that has these attribute
 names (vLLM's own classes among them): these classes are a convenience for
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -87,47 +87,3 @@ class CanonicalKVCaches:
     # group_data_refs[g] lists the refs of group g, in copy order. Several refs
     # (of different groups) may share a tensor; a group may have no refs.
     group_data_refs: list[list[CanonicalKVCacheRef]] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class DevicePointers:
-    """Resolved device pointers: one (ptr, size) per group, ref and block."""
-
-    # Pointer of each copy op, ordered group -> ref -> block.
-    ptrs: npt.NDArray[np.uint64]
-    # Bytes of each copy op (the ref's page_size_bytes).
-    sizes: npt.NDArray[np.uint64]
-    # Blocks of each group (the spec's group_sizes), empty groups included.
-    group_block_counts: tuple[int, ...]
-    # Refs of each group.
-    group_data_ref_counts: tuple[int, ...]
-    # Index inside the request of each group's first block.
-    block_indices: tuple[int, ...]
-
-
-@dataclass(eq=False)
-class TransferPlan:
-    """Copy descriptors of one transfer: copy sizes[i] bytes from src[i] to dst[i]."""
-
-    # Source pointer of each descriptor (uint64).
-    src: npt.NDArray[np.uint64]
-    # Destination pointer of each descriptor (uint64).
-    dst: npt.NDArray[np.uint64]
-    # Bytes of each descriptor (uint64).
-    sizes: npt.NDArray[np.uint64]
-    # Bytes the whole transfer copies: the sum of sizes.
-    num_bytes: int
-
-
-class DevicePointerGroupInfo(NamedTuple):
-    """Where one non-empty group sits in DevicePointers and in offloaded chunks."""
-
-    group_idx: int
-    group_size: int
-    n_data_refs: int
-    # Offset of the group's first block inside its first offloaded chunk.
-    skip: int
-    # Offloaded chunks the group spans.
-    n_chunks: int
-    # Index in DevicePointers.ptrs of the group's first op.
-    dev_ptr_offset: int

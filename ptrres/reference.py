@@ -5,7 +5,7 @@ benchmarks. It follows vLLM's numpy resolver in shape (one vectorised
 expression per group and ref), adds the checks of SPEC section 7, and reads
 every tensor's geometry on every call, as vLLM does. It accepts and rejects
 exactly the input the compiled path does, because both read their input with
-the same helpers (``ptrres._layout``).
+the same helpers (``ptrres._args``, ``ptrres._geometry``).
 """
 
 from __future__ import annotations
@@ -16,24 +16,21 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import BlockIdError, InputTypeError, OffloadedIdError, SpecError
-from ._layout import (
+from ._args import (
     GROUP_FIELDS,
     SPEC_FIELDS,
-    RefRow,
     as_block_ids,
     as_block_indices,
     as_group_sizes,
     as_int,
     as_list,
     attributes,
-    block_id_error,
     descriptor_array,
-    offloaded_rows,
-    read_layout,
-    read_offloaded,
 )
-from ._types import DevicePointerGroupInfo, DevicePointers, TransferPlan
+from ._diagnose import block_id_error
+from ._errors import BlockIdError, InputTypeError, OffloadedIdError, SpecError
+from ._geometry import RefRow, offloaded_rows, read_layout, read_offloaded
+from ._results import DevicePointerGroupInfo, DevicePointers, TransferPlan
 
 __all__ = [
     "coalesce",

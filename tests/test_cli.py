@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import ptrres
-from ptrres._bench import PRESETS, VirtualTensor
 from ptrres._cli import main
+from ptrres.bench import PRESETS, VirtualTensor
 
 KiB = 1024
 

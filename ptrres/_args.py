@@ -1,28 +1,20 @@
-"""Reading and checking what callers pass in: tensors, refs, specs, buffers.
+"""Coercing what callers pass: ids, counts, ints, sequences and out= buffers.
 
 These helpers turn duck-typed Python objects into the plain integers and
 contiguous arrays that the kernels take, and raise the errors of SPEC section 7
-when something is wrong. They are shared by the compiled path and by
-``ptrres.reference``, so both accept and reject exactly the same input.
+(InputTypeError, SpecError, OutBufferError) when something is wrong.
 """
 
 from __future__ import annotations
 
-import math
 import operator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import (
-    BlockIdError,
-    InputTypeError,
-    LayoutError,
-    OutBufferError,
-    PtrresError,
-    SpecError,
-)
+from ._errors import InputTypeError, OutBufferError, SpecError
+from ._kernels.common import NO_CAP
 
 INT32 = np.dtype(np.int32)
 INT64 = np.dtype(np.int64)
@@ -39,39 +31,6 @@ DEVICE_POINTERS_FIELDS = (
     "block_indices",
 )
 GROUP_FIELDS = DEVICE_POINTERS_FIELDS[2:]  # what iter_pointer_groups reads
-
-
-class TensorGeometry(NamedTuple):
-    """Where a tensor's rows (blocks) lie in memory, in bytes."""
-
-    base_ptr: int
-    row_stride_bytes: int
-    num_blocks: int
-    # Bytes of one row's elements; the stride may be larger (padding).
-    row_bytes: int
-
-
-class RefRow(NamedTuple):
-    """One ref of one group, resolved against its tensor."""
-
-    base_ptr: int
-    row_stride_bytes: int
-    page_size_bytes: int
-    num_blocks: int
-    tensor_idx: int
-
-
-def block_id_error(
-    group: int, position: int, value: int, d: int, ref: RefRow
-) -> BlockIdError:
-    """The error for block id ``value``, outside the tensor of ref ``d``."""
-    return BlockIdError(
-        f"group {group}, position {position}: block id {value} is out of range "
-        f"for ref {d}, whose tensor {ref.tensor_idx} has {ref.num_blocks} blocks",
-        group=group,
-        position=position,
-        value=value,
-    )
 
 
 def as_int(value: Any, what: str, *what_args: object) -> int:
@@ -118,219 +77,6 @@ def as_list(values: Any, what: str) -> list[Any]:
         except TypeError:
             pass
     raise InputTypeError(f"{what} must be a sequence, got {type(values).__name__}")
-
-
-# The kernels compute pointers in int64: every byte of a tensor must lie below.
-ADDRESS_LIMIT = 2**63 - 1
-
-
-def tensor_geometry(
-    tensor: Any, tensor_idx: int, name: str = "tensors[{}].tensor"
-) -> TensorGeometry:
-    """Read the geometry of a torch tensor (any device) or a numpy array.
-
-    Any object with torch's ``data_ptr()``, ``stride()``, ``element_size()`` and
-    ``shape`` will do; one whose answers fail or make no sense is refused.
-    ``name`` (formatted with ``tensor_idx``) names the tensor in errors.
-    """
-    what = name.format(tensor_idx)
-    if isinstance(tensor, np.ndarray):
-        shape: tuple[int, ...] = tensor.shape
-        base_ptr: int = tensor.__array_interface__["data"][0]
-        row_stride_bytes: int = tensor.strides[0] if shape else 0
-        element_size: int = tensor.itemsize
-    else:
-        shape, base_ptr, row_stride_bytes, element_size = _tensor_answers(tensor, what)
-    if not shape:
-        raise LayoutError(f"{what} is 0-d; its first dimension must be blocks")
-    if min(shape) < 0 or element_size < 0:
-        raise LayoutError(
-            f"{what} has shape {shape} and element size {element_size}: "
-            "none may be negative"
-        )
-    if row_stride_bytes < 0:
-        raise LayoutError(f"{what} has a negative row stride ({row_stride_bytes} B)")
-    num_blocks = shape[0]
-    row_bytes = math.prod(shape[1:]) * element_size
-    end = base_ptr + (num_blocks - 1) * row_stride_bytes + row_bytes
-    if base_ptr < 0 or max(end, row_stride_bytes, num_blocks) > ADDRESS_LIMIT:
-        raise LayoutError(
-            f"{what} at 0x{base_ptr:x} ({num_blocks} rows of {row_bytes} B, "
-            f"{row_stride_bytes} B apart) does not lie between 0 and 2**63 - 1, "
-            "the addresses ptrres computes"
-        )
-    return TensorGeometry(base_ptr, row_stride_bytes, num_blocks, row_bytes)
-
-
-def _tensor_answers(tensor: Any, what: str) -> tuple[tuple[int, ...], int, int, int]:
-    """Shape, data pointer, row stride and element size of a torch-like tensor."""
-    try:
-        if not callable(getattr(tensor, "data_ptr", None)):
-            raise InputTypeError(
-                f"{what} must be a torch tensor or a numpy array, "
-                f"got {type(tensor).__name__}"
-            )
-        raw_shape = tuple(tensor.shape)
-        shape = tuple(
-            as_int(n, "{}.shape[{}]", what, d) for d, n in enumerate(raw_shape)
-        )
-        base_ptr = as_int(tensor.data_ptr(), "{}.data_ptr()", what)
-        element_size = as_int(tensor.element_size(), "{}.element_size()", what)
-        stride = as_int(tensor.stride(0), "{}.stride(0)", what) if shape else 0
-    except PtrresError:
-        raise
-    except Exception as exc:  # a tensor without storage, a broken proxy...
-        raise InputTypeError(
-            f"{what}: reading its shape, data_ptr(), element_size() and stride(0) "
-            f"failed ({type(exc).__name__}: {exc})"
-        ) from exc
-    return shape, base_ptr, stride * element_size, element_size
-
-
-def read_layout(kv_caches: Any) -> list[list[RefRow]]:
-    """For each group of a CanonicalKVCaches, its refs resolved to their tensors.
-
-    Checks the layout as it goes: tensor_idx in range, every page within a row.
-    """
-    tensors, group_data_refs = attributes(
-        kv_caches, ("tensors", "group_data_refs"), "kv_caches"
-    )
-    geometries = [
-        tensor_geometry(attributes(entry, ("tensor",), f"kv_caches.tensors[{t}]")[0], t)
-        for t, entry in enumerate(as_list(tensors, "kv_caches.tensors"))
-    ]
-    groups = []
-    for group, refs in enumerate(as_list(group_data_refs, "group_data_refs")):
-        rows = []
-        for d, ref in enumerate(as_list(refs, f"group_data_refs[{group}]")):
-            raw_idx, raw_page = attributes(
-                ref, ("tensor_idx", "page_size_bytes"), f"group {group}, ref {d}"
-            )
-            tensor_idx = as_int(raw_idx, "group {}, ref {}: tensor_idx", group, d)
-            if not 0 <= tensor_idx < len(geometries):
-                raise LayoutError(
-                    f"group {group}, ref {d}: tensor_idx {tensor_idx} is out of "
-                    f"range (there are {len(geometries)} tensors)"
-                )
-            page_size = as_int(raw_page, "group {}, ref {}: page_size_bytes", group, d)
-            geometry = geometries[tensor_idx]
-            if not 0 <= page_size <= min(geometry.row_stride_bytes, geometry.row_bytes):
-                raise LayoutError(
-                    _page_error(page_size, geometry, group, d, tensor_idx)
-                )
-            rows.append(
-                RefRow(
-                    geometry.base_ptr,
-                    geometry.row_stride_bytes,
-                    page_size,
-                    geometry.num_blocks,
-                    tensor_idx,
-                )
-            )
-        groups.append(rows)
-    return groups
-
-
-def _page_error(
-    page_size: int, geometry: TensorGeometry, group: int, d: int, tensor_idx: int
-) -> str:
-    where = f"group {group}, ref {d} (tensor {tensor_idx}): page_size_bytes {page_size}"
-    if page_size < 0:
-        return f"{where} is negative"
-    if page_size > geometry.row_stride_bytes:
-        return f"{where} is larger than the row stride ({geometry.row_stride_bytes} B)"
-    return (
-        f"{where} is larger than a row ({geometry.row_bytes} B): the last "
-        "block's page would end outside the tensor"
-    )
-
-
-class OffloadedGeometry(NamedTuple):
-    """Where the chunks (rows) of an offloaded tensor lie, in bytes."""
-
-    base_ptr: int
-    row_stride_bytes: int
-    # Bytes of one of the blocks_per_chunk sub-blocks of a row.
-    sub_bytes: int
-    num_chunks: int
-
-
-def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometry]:
-    """Check offloaded tensors (one row per chunk); return their geometry.
-
-    Each tensor may be given as is or as an object with a ``.tensor``
-    attribute (a CanonicalKVCacheTensor).
-    """
-    bpc = as_int(blocks_per_chunk, "blocks_per_chunk")
-    if not 1 <= bpc < 2**63:  # the kernels take an int64
-        raise LayoutError(f"blocks_per_chunk must be >= 1 and < 2**63, got {bpc}")
-    geometries = []
-    for t, entry in enumerate(as_list(tensors, "offloaded tensors")):
-        geometry = tensor_geometry(_unwrapped(entry), t, "offloaded tensors[{}]")
-        if geometry.row_bytes % bpc:
-            raise LayoutError(
-                f"offloaded tensors[{t}]: a row of {geometry.row_bytes} B does not "
-                f"split into {bpc} sub-blocks"
-            )
-        if geometry.num_blocks > 1 and geometry.row_stride_bytes < geometry.row_bytes:
-            raise LayoutError(
-                f"offloaded tensors[{t}]: rows of {geometry.row_bytes} B overlap "
-                f"(row stride {geometry.row_stride_bytes} B)"
-            )
-        geometries.append(
-            OffloadedGeometry(
-                base_ptr=geometry.base_ptr,
-                row_stride_bytes=geometry.row_stride_bytes,
-                sub_bytes=geometry.row_bytes // bpc,
-                num_chunks=geometry.num_blocks,
-            )
-        )
-    return geometries
-
-
-def _unwrapped(entry: Any) -> Any:
-    """An offloaded tensor given as is, or as the .tensor of an entry."""
-    try:
-        if not hasattr(entry, "data_ptr") and hasattr(entry, "tensor"):
-            return entry.tensor
-    except Exception:  # tensor_geometry() then says what is wrong
-        pass
-    return entry
-
-
-def offloaded_rows(
-    groups: list[list[RefRow]], offloaded: list[OffloadedGeometry]
-) -> list[OffloadedGeometry]:
-    """The offloaded tensor of every ref, in copy order, checking that it fits.
-
-    Offloaded tensors are aligned with the device tensors by tensor_idx, and
-    every ref's page must fit in one sub-block of its offloaded tensor.
-    """
-    rows = []
-    for group, refs in enumerate(groups):
-        for d, ref in enumerate(refs):
-            if ref.tensor_idx >= len(offloaded):
-                raise LayoutError(
-                    f"group {group}, ref {d}: tensor {ref.tensor_idx} has no "
-                    f"offloaded tensor (there are {len(offloaded)})"
-                )
-            geometry = offloaded[ref.tensor_idx]
-            if ref.page_size_bytes > geometry.sub_bytes:
-                raise LayoutError(
-                    f"group {group}, ref {d}: a page of {ref.page_size_bytes} B does "
-                    f"not fit in a sub-block of offloaded tensors[{ref.tensor_idx}] "
-                    f"({geometry.sub_bytes} B)"
-                )
-            rows.append(geometry)
-    return rows
-
-
-def num_chunks(group_size: int, block_index: int, blocks_per_chunk: int) -> int:
-    """Offloaded chunks a group spans (0 for an empty group)."""
-    if group_size == 0:
-        return 0
-    skip = block_index % blocks_per_chunk
-    return -(-(group_size + skip) // blocks_per_chunk)
 
 
 def as_block_ids(block_ids: Any, what: str = "block_ids") -> npt.NDArray[Any]:
@@ -452,6 +198,7 @@ def descriptor_array(values: Any, what: str) -> npt.NDArray[np.uint64]:
 
 # What the out= buffers of each call are, in order (for out_arrays).
 PTRS_SIZES = ("out[0] (ptrs)", "out[1] (sizes)")
+
 SRC_DST_SIZES = ("out[0] (src)", "out[1] (dst)", "out[2] (sizes)")
 
 
@@ -464,34 +211,32 @@ def out_arrays(
         out: None, or one buffer per entry of ``buffers`` (see out_view), in a
             tuple or list, or as the rows of a 2-D array.
         n_ops: entries each output needs.
-        buffers: the names of the buffers, PTRS_SIZES or SRC_DST_SIZES.
+        buffers: the names of the buffers (two or more), PTRS_SIZES or
+            SRC_DST_SIZES say.
     """
     if out is None:
         return [np.empty(n_ops, np.uint64) for _ in buffers]
     if (type(out) is tuple or isinstance(out, (list, np.ndarray))) and len(out) == len(
         buffers
     ):
-        # Written out for the two or three buffers there are: a comprehension
-        # costs a third of a microsecond more, on every call.
+        # The first two or three written out, as every call so far has them:
+        # a comprehension costs a third of a microsecond more, on every call.
+        # Any further buffers (a strided plan has six) are taken in a loop.
         views = [
             out_view(out[0], n_ops, buffers[0]),
             out_view(out[1], n_ops, buffers[1]),
         ]
-        if len(buffers) == 3:
+        if len(buffers) > 2:
             views.append(out_view(out[2], n_ops, buffers[2]))
+            if len(buffers) > 3:  # a loop costs a tenth of a microsecond
+                views += [
+                    out_view(out[i], n_ops, buffers[i]) for i in range(3, len(out))
+                ]
         return views
     count = f"{len(out)} items" if hasattr(out, "__len__") else "not a sequence"
     raise InputTypeError(
         f"out must hold {len(buffers)} buffers ({', '.join(buffers)}): got a "
         f"{type(out).__name__}, {count}"
-    )
-
-
-def overlap_error(buffers: str) -> OutBufferError:
-    """The error for out= buffers that share memory with each other or an input."""
-    return OutBufferError(
-        f"{buffers} share memory: each out= buffer must be an array of its own, "
-        "apart from the input"
     )
 
 
@@ -537,3 +282,31 @@ def _checked_out_view(buffer: Any, n_ops: int, what: str) -> npt.NDArray[np.uint
     if not buffer.flags.aligned:
         raise OutBufferError(f"{what} is not aligned to 8 bytes")
     return buffer[:n_ops].view(np.uint64)
+
+
+def block_ids_arg(block_ids: Any, what: str = "block_ids") -> npt.NDArray[Any]:
+    """Block ids as the kernels take them; arrays that already fit pass as is."""
+    if (
+        type(block_ids) is np.ndarray
+        and block_ids.dtype in ID_DTYPES
+        and block_ids.ndim == 1
+        and block_ids.flags.carray  # contiguous, aligned and writable
+    ):
+        return block_ids
+    return as_block_ids(block_ids, what)
+
+
+def max_run_arg(max_run_bytes: Any) -> int:
+    """max_run_bytes (None or an int >= 1), checked, as the kernels take it.
+
+    The kernels take an int64 and read it as uint64: a cap of 2**63 or more
+    goes as its two's complement, and 2**64 - 1 or more means no cap (NO_CAP).
+    """
+    if max_run_bytes is None:
+        return NO_CAP
+    cap = as_int(max_run_bytes, "max_run_bytes")
+    if cap < 1:
+        raise SpecError(f"max_run_bytes must be >= 1, got {cap}")
+    if cap >= 2**64 - 1:
+        return NO_CAP
+    return cap if cap < 2**63 else cap - 2**64

@@ -1,0 +1,177 @@
+"""What went wrong, once a kernel has said that something did.
+
+Kernels report a failure as a status (a bad id somewhere, buffers that share
+memory); these functions find the first bad id, in the order the reference
+checks them, and build the error that names its group, position and value.
+Every message of a failed call is written here. They raise, never assert:
+``python -O`` must not change what a caller sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import BlockIdError, DevicePointerError, OffloadedIdError, OutBufferError
+from ._geometry import RefRow, num_chunks
+from ._offloaded import OffloadedLayout
+
+# The refs of each group, resolved against their tensors (PointerTable's).
+Groups = Sequence[Sequence[RefRow]]
+# A bad id found: (group, ref, position in the group, value).
+BadId = tuple[int, int, int, int]
+
+
+def block_id_error(
+    group: int, position: int, value: int, d: int, ref: RefRow
+) -> BlockIdError:
+    """The error for block id ``value``, outside the tensor of ref ``d``."""
+    return BlockIdError(
+        f"group {group}, position {position}: block id {value} is out of range "
+        f"for ref {d}, whose tensor {ref.tensor_idx} has {ref.num_blocks} blocks",
+        group=group,
+        position=position,
+        value=value,
+    )
+
+
+def overlap_error(buffers: str) -> OutBufferError:
+    """The error for out= buffers that share memory with each other or an input."""
+    return OutBufferError(
+        f"{buffers} share memory: each out= buffer must be an array of its own, "
+        "apart from the input"
+    )
+
+
+def first_out_of_range(
+    ids: npt.NDArray[Any], group_sizes: tuple[int, ...], limits: list[list[int]]
+) -> BadId | None:
+    """The first (group, ref, position, id) with an id outside [0, limit).
+
+    ``ids`` are consumed group by group (group_sizes[g] each) and checked
+    against limits[g][d] for each ref d, in op order.
+    """
+    first = 0
+    for group, (n, group_limits) in enumerate(zip(group_sizes, limits)):
+        group_ids = ids[first : first + n]
+        for d, limit in enumerate(group_limits):
+            bad = np.flatnonzero((group_ids < 0) | (group_ids >= limit))
+            if len(bad):
+                position = int(bad[0])
+                return group, d, position, int(group_ids[position])
+        first += n
+    return None
+
+
+def bad_block_id(
+    groups: Groups, block_ids: npt.NDArray[Any], group_sizes: tuple[int, ...]
+) -> BadId | None:
+    """The first out-of-range (group, ref, position, block id), in op order."""
+    return first_out_of_range(
+        block_ids, group_sizes, [[ref.num_blocks for ref in group] for group in groups]
+    )
+
+
+def resolve_error(
+    groups: Groups, block_ids: npt.NDArray[Any], group_sizes: tuple[int, ...]
+) -> BlockIdError:
+    """The error of a resolve whose kernel found a block id out of range."""
+    bad = bad_block_id(groups, block_ids, group_sizes)
+    if bad is None:  # pragma: no cover (the kernel and this check disagree)
+        raise _disagreement("a block id out of range")
+    group, d, position, value = bad
+    return block_id_error(group, position, value, d, groups[group][d])
+
+
+def chunk_count_error(
+    chunk_ids: npt.NDArray[Any],
+    group_sizes: tuple[int, ...],
+    block_indices: tuple[int, ...],
+    blocks_per_chunk: int,
+) -> OffloadedIdError | None:
+    """The error for offloaded ids that are not as many as the groups' chunks."""
+    chunks_per_group = [
+        num_chunks(n, i, blocks_per_chunk) for n, i in zip(group_sizes, block_indices)
+    ]
+    if len(chunk_ids) == sum(chunks_per_group):
+        return None
+    return OffloadedIdError(
+        f"there are {len(chunk_ids)} offloaded ids, but the groups span "
+        f"{chunks_per_group} chunks (blocks_per_chunk={blocks_per_chunk}): "
+        f"{sum(chunks_per_group)} in all"
+    )
+
+
+def plan_error(
+    groups: Groups,
+    block_ids: npt.NDArray[Any],
+    group_sizes: tuple[int, ...],
+    block_indices: tuple[int, ...],
+    chunk_ids: npt.NDArray[np.int64],
+    offloaded: OffloadedLayout,
+) -> BlockIdError | OffloadedIdError:
+    """The error of a failed plan, checked in the reference's order."""
+    bad = bad_block_id(groups, block_ids, group_sizes)
+    if bad is not None:
+        group, d, position, value = bad
+        return block_id_error(group, position, value, d, groups[group][d])
+    count_error = chunk_count_error(
+        chunk_ids, group_sizes, block_indices, offloaded.blocks_per_chunk
+    )
+    if count_error is not None:
+        return count_error
+    chunks_per_group = [
+        num_chunks(n, i, offloaded.blocks_per_chunk)
+        for n, i in zip(group_sizes, block_indices)
+    ]
+    off_limits = [
+        [offloaded.geometries[ref.tensor_idx].num_chunks for ref in group]
+        for group in groups
+    ]
+    bad = first_out_of_range(chunk_ids, tuple(chunks_per_group), off_limits)
+    if bad is None:  # pragma: no cover (the kernel and this check disagree)
+        raise _disagreement("an id out of range")
+    group, d, position, value = bad
+    tensor_idx = groups[group][d].tensor_idx
+    return OffloadedIdError(
+        f"group {group}, position {position}: offloaded id {value} is out of "
+        f"range for ref {d}, whose offloaded tensor {tensor_idx} has "
+        f"{off_limits[group][d]} chunks",
+        group=group,
+        position=position,
+        value=value,
+    )
+
+
+def pointer_error(
+    groups: Groups, op: int, ptrs: npt.NDArray[np.uint64], group_sizes: tuple[int, ...]
+) -> DevicePointerError:
+    """The error for device pointer ``op``, which is not a block of its ref."""
+    value = int(ptrs[op])
+    group = 0
+    while op >= group_sizes[group] * len(groups[group]):
+        op -= group_sizes[group] * len(groups[group])
+        group += 1
+    d, position = divmod(op, group_sizes[group])
+    ref = groups[group][d]
+    return DevicePointerError(
+        f"group {group}, position {position}: device pointer 0x{value:x} "
+        f"with its size is not a block of ref {d} (tensor "
+        f"{ref.tensor_idx} at 0x{ref.base_ptr:x}, row stride "
+        f"{ref.row_stride_bytes} B, {ref.num_blocks} blocks, page "
+        f"{ref.page_size_bytes} B), or not the same block as ref 0's",
+        group=group,
+        position=position,
+        value=value,
+    )
+
+
+def _disagreement(what: str) -> RuntimeError:  # pragma: no cover
+    """A kernel reported a failure that the checks here cannot find."""
+    return RuntimeError(
+        f"ptrres internal error: a kernel reported {what}, but none is: "
+        "please report this with the call that raised it"
+    )

@@ -1,0 +1,44 @@
+"""The compiled kernels. They only compute into arrays they are given.
+
+A kernel never sees a Python object and never raises. It returns how many
+entries it wrote, or a negative status: BAD_BLOCK_ID or BAD_OFFLOADED_ID when
+an id is out of range (the wrapper then finds the first bad id and raises an
+error that names the group, the position and the value), OVERLAPPING_BUFFERS
+when an output shares memory with another output or an input (checked before
+anything is written). What a failed call wrote is never returned: the wrapper
+zeroes it. Scratch space, too, is allocated by the wrapper and passed in.
+
+One module per family: common (columns, statuses, shared helpers), resolve,
+plan and coalesce. The wrappers call the kernels through this package (as
+``_kernels.resolve_kernel``), so that a benchmark may swap one in.
+
+Numba's on-disk cache of a kernel is invalidated by a change to the kernel's
+own file only: after editing a helper in common.py or coalesce.py, delete
+``ptrres/_kernels/__pycache__`` (or touch the kernels' files), or the cached
+kernels keep the old helper.
+"""
+
+from .coalesce import coalesce_kernel
+from .common import (
+    BAD_BLOCK_ID,
+    BAD_OFFLOADED_ID,
+    NO_CAP,
+    OFF_COLUMNS,
+    OVERLAPPING_BUFFERS,
+    REF_COLUMNS,
+)
+from .plan import plan_kernel
+from .resolve import block_ids_from_pointers, resolve_kernel
+
+__all__ = [
+    "BAD_BLOCK_ID",
+    "BAD_OFFLOADED_ID",
+    "NO_CAP",
+    "OFF_COLUMNS",
+    "OVERLAPPING_BUFFERS",
+    "REF_COLUMNS",
+    "block_ids_from_pointers",
+    "coalesce_kernel",
+    "plan_kernel",
+    "resolve_kernel",
+]

@@ -1,0 +1,292 @@
+"""The kernel of transfer plans: (src, dst, size) descriptors of a store or load.
+
+plan_kernel checks every id first (check_ids), then per group maps each block
+to its offloaded chunk and sub-block (map_chunks) and fills the descriptors of
+each ref, one per block (fill_blocks) or merged into runs (fill_merged).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._config import inline_helper, kernel
+from .coalesce import append_runs, block_pointers, continues, find_runs
+from .common import (
+    BAD_BLOCK_ID,
+    BAD_OFFLOADED_ID,
+    BASE_PTR,
+    NUM_BLOCKS,
+    OFF_BASE_PTR,
+    OFF_NUM_CHUNKS,
+    OFF_ROW_STRIDE,
+    OFF_SUB_BYTES,
+    ONE,
+    OVERLAPPING_BUFFERS,
+    PAGE_SIZE,
+    ROW_STRIDE,
+    TABLE,
+    ZERO,
+    IntArray,
+    UIntArray,
+    chunk_slot,
+    id_range,
+    overlaps,
+    rows_of,
+)
+
+
+# One signature: the wrappers widen int32 ids (a copy that costs little next
+# to a plan), since each signature of this kernel takes a second to compile.
+@kernel(
+    f"int64({TABLE}, int64[:, ::1], int64[::1], int64[:, ::1], int64[::1],"
+    " int64, boolean, boolean, int64, int64[:, ::1],"
+    " uint64[::1], uint64[::1], uint64[::1])"
+)
+def plan_kernel(
+    ref_table: IntArray,
+    group_ref_start: IntArray,
+    offloaded_refs: IntArray,
+    block_ids: IntArray,
+    groups: IntArray,
+    offloaded_ids: IntArray,
+    blocks_per_chunk: int,
+    store: bool,
+    merge: bool,
+    max_run_bytes: int,
+    scratch: IntArray,
+    src: UIntArray,
+    dst: UIntArray,
+    sizes: UIntArray,
+) -> int:
+    """Fill the (src, dst, size) descriptors of a store or a load (SPEC 5).
+
+    Args:
+        ref_table, group_ref_start, block_ids: as resolve_kernel.
+        offloaded_refs: (n_refs, OFF_COLUMNS), the offloaded tensor of each ref.
+        groups: (2, n_groups): each group's size (block ids), then its index
+            inside the request of its first block.
+        offloaded_ids: chunk ids, group by group.
+        blocks_per_chunk: device blocks per offloaded chunk (>= 1).
+        store: device -> offloaded if True, offloaded -> device if False.
+        merge: coalesce descriptors that continue each other (SPEC 6), with
+            exactly the result of coalesce_kernel on the unmerged plan.
+        max_run_bytes: the largest merged descriptor (>= 1), or NO_CAP.
+        scratch: (3, m) with m > the largest group size: room for the chunk
+            and sub-block of each block of a group, and its runs.
+        src, dst, sizes: outputs, at least as long as the number of ops.
+
+    Returns:
+        The number of descriptors written, BAD_OFFLOADED_ID (also for a wrong
+        number of offloaded ids), BAD_BLOCK_ID or OVERLAPPING_BUFFERS.
+    """
+    # No output may share a byte with another or with the ids.
+    if (
+        overlaps(src, dst)
+        | overlaps(src, sizes)
+        | overlaps(dst, sizes)
+        | overlaps(src, block_ids)
+        | overlaps(dst, block_ids)
+        | overlaps(sizes, block_ids)
+        | overlaps(src, offloaded_ids)
+        | overlaps(dst, offloaded_ids)
+        | overlaps(sizes, offloaded_ids)
+    ):
+        return OVERLAPPING_BUFFERS
+    bpc = np.uint64(blocks_per_chunk)
+    tables = (ref_table, offloaded_refs)
+    status = check_ids(tables, group_ref_start, groups, block_ids, offloaded_ids, bpc)
+    if status < 0:
+        return status
+    cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
+    # Device pointers go to src on a store and to dst on a load; contiguity is
+    # the same condition in either direction.
+    out = (src, dst, sizes) if store else (dst, src, sizes)
+    chunk_of, sub_block_of = scratch[0], scratch[1]
+    run_starts = scratch[2].view(np.uint64)
+    group_sizes, block_indices = groups[0], groups[1]
+    written = ZERO
+    first_id = first_chunk = ZERO
+    for group in range(group_sizes.shape[0]):
+        n_blocks = np.uint64(group_sizes[group])
+        if n_blocks == ZERO:
+            continue
+        ids = block_ids[first_id : first_id + n_blocks]
+        first_id += n_blocks
+        skip = np.uint64(block_indices[group]) % bpc
+        n_chunks = chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE  # last's, + 1
+        chunks = offloaded_ids[first_chunk : first_chunk + n_chunks]
+        first_chunk += n_chunks
+        blocks = (ids, chunk_of, sub_block_of)  # not sliced: views cost
+        map_chunks(chunks, skip, bpc, blocks)
+        refs = (group_ref_start[group], group_ref_start[group + 1])
+        if merge:
+            written = fill_merged(out, written, tables, refs, blocks, run_starts, cap)
+        else:
+            for ref in range(refs[0], refs[1]):
+                rows = rows_of(tables, ref)
+                written = fill_blocks(out, written, blocks, rows, ZERO)
+    return np.int64(written)
+
+
+@inline_helper
+def check_ids(
+    tables: Any,
+    group_ref_start: IntArray,
+    groups: IntArray,
+    block_ids: IntArray,
+    offloaded_ids: IntArray,
+    bpc: np.uint64,
+) -> Any:
+    """Check every id before anything is written: each group's smallest and
+    largest device and offloaded ids against each of its refs' tensors, and
+    that the offloaded ids are as many as the groups' chunks.
+
+    Args:
+        tables: (ref_table, offloaded_refs).
+
+    Returns:
+        0, BAD_BLOCK_ID or BAD_OFFLOADED_ID.
+    """
+    ref_table, offloaded_refs = tables
+    group_sizes, block_indices = groups[0], groups[1]
+    n_offloaded_ids = np.uint64(offloaded_ids.shape[0])
+    first_id = first_chunk = ZERO
+    for group in range(group_sizes.shape[0]):
+        n_blocks = np.uint64(group_sizes[group])
+        if n_blocks == ZERO:
+            continue
+        skip = np.uint64(block_indices[group]) % bpc
+        n_chunks = chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE  # last's, + 1
+        if first_chunk + n_chunks > n_offloaded_ids:
+            return BAD_OFFLOADED_ID
+        lowest_id, highest_id = id_range(block_ids[first_id : first_id + n_blocks])
+        lowest_chunk, highest_chunk = id_range(
+            offloaded_ids[first_chunk : first_chunk + n_chunks]
+        )
+        for ref in range(group_ref_start[group], group_ref_start[group + 1]):
+            if lowest_id < 0 or highest_id >= ref_table[ref, NUM_BLOCKS]:
+                return BAD_BLOCK_ID
+            if lowest_chunk < 0 or highest_chunk >= offloaded_refs[ref, OFF_NUM_CHUNKS]:
+                return BAD_OFFLOADED_ID
+        first_id += n_blocks
+        first_chunk += n_chunks
+    if first_chunk != n_offloaded_ids:
+        return BAD_OFFLOADED_ID
+    return np.int64(0)
+
+
+@inline_helper
+def map_chunks(chunks: IntArray, skip: np.uint64, bpc: np.uint64, blocks: Any) -> None:
+    """Fill the chunk id and sub-block of each block of a group.
+
+    Block k goes to sub-block (skip + k) % bpc of the group's chunk
+    (skip + k) // bpc (common.chunk_slot), here stepped from one block to the
+    next instead of divided.
+
+    Args:
+        chunks: the group's offloaded ids, one per chunk it spans.
+        blocks: (block ids, chunk of each block, sub-block of each block): the
+            last two are filled, as far as there are ids.
+    """
+    _, chunk_of, sub_block_of = blocks
+    chunk = ZERO
+    sub = skip
+    for k in range(blocks[0].shape[0]):
+        chunk_of[k] = chunks[chunk]
+        sub_block_of[k] = np.int64(sub)
+        sub += ONE
+        if sub == bpc:
+            sub = ZERO
+            chunk += ONE
+
+
+@inline_helper
+def fill_blocks(
+    out: Any, written: np.uint64, blocks: Any, rows: Any, first_k: np.uint64
+) -> Any:
+    """Append one descriptor per block of a group, from block first_k on, for
+    one ref: branch-free, so that the loop vectorises.
+
+    Args:
+        out, written, blocks, rows: as coalesce.append_runs.
+
+    Returns:
+        The new number of descriptors.
+    """
+    dev_out, off_out, sizes = out
+    ids, chunk_of, sub_block_of = blocks
+    ref_row, off_row = rows
+    # Locals, read once: the outputs might alias the rows as far as the
+    # compiler knows, and loads in the loop would keep it from vectorising.
+    base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
+    page_size = ref_row[PAGE_SIZE]
+    off_base_ptr, off_row_stride = off_row[OFF_BASE_PTR], off_row[OFF_ROW_STRIDE]
+    sub_bytes = off_row[OFF_SUB_BYTES]
+    n_blocks = np.uint64(ids.shape[0])
+    for k in range(first_k, n_blocks):
+        op = written + k - first_k
+        dev_out[op] = base_ptr + np.int64(ids[k]) * row_stride
+        off_out[op] = (
+            off_base_ptr + chunk_of[k] * off_row_stride + sub_block_of[k] * sub_bytes
+        )
+        sizes[op] = page_size
+    return written + n_blocks - first_k
+
+
+@inline_helper
+def fill_merged(
+    out: Any,
+    written: np.uint64,
+    tables: Any,
+    refs: Any,
+    blocks: Any,
+    run_starts: UIntArray,
+    cap: np.uint64,
+) -> Any:
+    """Append a group's descriptors, ref by ref, merged as coalesce_kernel
+    would merge them.
+
+    Args:
+        tables: (ref_table, offloaded_refs).
+        refs: the group's rows of them, (first, one past the last).
+        run_starts: room for find_runs.
+        out, written, blocks, cap: as coalesce.append_runs.
+
+    Returns:
+        The new number of descriptors.
+    """
+    dev_out, off_out, sizes = out
+    # Refs of one group usually share their geometry, and with it their runs:
+    # find them once per group and geometry.
+    runs_of = (-1, -1, -1, -1)
+    n_runs = ZERO
+    for ref in range(refs[0], refs[1]):
+        rows = rows_of(tables, ref)
+        geometry = (
+            rows[0][ROW_STRIDE],
+            rows[0][PAGE_SIZE],
+            rows[1][OFF_ROW_STRIDE],
+            rows[1][OFF_SUB_BYTES],
+        )
+        if geometry != runs_of:
+            runs_of = geometry
+            n_runs = find_runs(blocks, rows, run_starts)
+        if n_runs < np.uint64(blocks[0].shape[0]):
+            runs = run_starts[: n_runs + ONE]
+            written = append_runs(out, written, blocks, runs, rows, cap)
+            continue
+        # No two blocks of this ref continue each other: only the first may
+        # continue the last descriptor (of another ref).
+        first_k = ZERO
+        page = np.uint64(rows[0][PAGE_SIZE])
+        if written > ZERO:
+            last = written - ONE
+            dev_ptr, off_ptr = block_pointers(rows, blocks, ZERO)
+            run = (dev_out[last], off_out[last], sizes[last])
+            if continues(run, (dev_ptr, off_ptr, page), cap):
+                sizes[last] += page
+                first_k = ONE
+        written = fill_blocks(out, written, blocks, rows, first_k)
+    return written

@@ -1,0 +1,364 @@
+"""patch(), unpatch(), register(): the version guard, the switches, packaging."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import re
+import subprocess
+import sys
+import types
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import worker
+
+import ptrres
+import ptrres.vllm as plugin
+
+ROOT = Path(__file__).resolve().parents[2]
+Handler = worker.SingleDirectionOffloadingHandler
+POINTER_UTILS = "vllm.v1.kv_offload.pointer_utils"
+
+
+@pytest.fixture(autouse=True)
+def _unpatched() -> Iterator[None]:
+    plugin.unpatch()
+    plugin._warned.clear()
+    yield
+    plugin.unpatch()
+
+
+def test_patch_replaces_transfer_async_and_unpatch_restores_the_original() -> None:
+    original = vars(Handler)["transfer_async"]
+    assert not plugin.is_patched()
+    assert plugin.patch() == ["SingleDirectionOffloadingHandler.transfer_async"]
+    assert plugin.is_patched()
+    assert vars(Handler)["transfer_async"] is plugin.transfer_async
+    assert plugin.patch() == ["SingleDirectionOffloadingHandler.transfer_async"]
+    plugin.unpatch()
+    assert not plugin.is_patched()
+    assert vars(Handler)["transfer_async"] is original
+    plugin.unpatch()  # a second unpatch changes nothing
+    assert vars(Handler)["transfer_async"] is original
+
+
+def fake_pointer_utils(**overrides: Any) -> types.ModuleType:
+    """A vLLM pointer_utils module (the pull request's) with vLLM's signatures."""
+    module = types.ModuleType(POINTER_UTILS)
+
+    def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> Any:
+        raise AssertionError("vLLM's resolver must not run once patched")
+
+    def iter_pointer_groups(device_ptrs: Any, blocks_per_chunk: int) -> Any:
+        raise AssertionError("vLLM's iterator must not run once patched")
+
+    module.resolve_device_pointers = resolve_device_pointers  # type: ignore[attr-defined]
+    module.iter_pointer_groups = iter_pointer_groups  # type: ignore[attr-defined]
+    for name, value in overrides.items():
+        setattr(module, name, value)
+    return module
+
+
+def test_pointer_utils_gets_ptrres_drop_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = fake_pointer_utils()
+    originals = (module.resolve_device_pointers, module.iter_pointer_groups)
+    monkeypatch.setitem(sys.modules, POINTER_UTILS, module)
+    patched = plugin.patch()
+    assert f"{POINTER_UTILS}.resolve_device_pointers" in patched
+    assert f"{POINTER_UTILS}.iter_pointer_groups" in patched
+    assert module.resolve_device_pointers is ptrres.resolve_device_pointers
+    assert module.iter_pointer_groups is ptrres.iter_pointer_groups
+    plugin.unpatch()
+    assert (module.resolve_device_pointers, module.iter_pointer_groups) == originals
+    assert module.resolve_device_pointers is originals[0]
+
+
+def test_names_the_worker_imported_from_pointer_utils_are_replaced_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = fake_pointer_utils()
+    original = module.resolve_device_pointers
+    monkeypatch.setitem(sys.modules, POINTER_UTILS, module)
+    monkeypatch.setattr(worker, "resolve_device_pointers", original, raising=False)
+    assert f"{worker.__name__}.resolve_device_pointers" in plugin.patch()
+    assert worker.resolve_device_pointers is ptrres.resolve_device_pointers
+    assert not hasattr(worker, "iter_pointer_groups")  # never added
+    plugin.unpatch()
+    assert worker.resolve_device_pointers is original
+
+
+def test_an_attribute_that_cannot_be_set_undoes_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Never half-patched: a failure on the last attribute restores the first."""
+
+    class ReadOnly(types.ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if value is ptrres.iter_pointer_groups:
+                raise AttributeError(f"{name} is read-only")
+            super().__setattr__(name, value)
+
+    module = fake_pointer_utils()
+    module.__class__ = ReadOnly
+    originals = (module.resolve_device_pointers, module.iter_pointer_groups)
+    transfer = vars(Handler)["transfer_async"]
+    monkeypatch.setitem(sys.modules, POINTER_UTILS, module)
+    assert_warns_once("iter_pointer_groups is read-only")
+    assert_untouched(transfer, module)
+    assert (module.resolve_device_pointers, module.iter_pointer_groups) == originals
+
+
+def test_no_pointer_utils_no_replacement() -> None:
+    assert POINTER_UTILS not in sys.modules
+    assert plugin.patch() == ["SingleDirectionOffloadingHandler.transfer_async"]
+
+
+def assert_untouched(original: Any, module: types.ModuleType | None = None) -> None:
+    assert not plugin.is_patched()
+    assert vars(Handler)["transfer_async"] is original
+    if module is not None:
+        assert module.resolve_device_pointers is not ptrres.resolve_device_pointers
+
+
+def assert_warns_once(match: str) -> None:
+    with pytest.warns(plugin.VllmPatchWarning, match=match):
+        assert plugin.patch() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plugin.patch() == []
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.32.1", "1.0.0", "0.330.0", "dev"])
+def test_untested_versions_are_left_alone(
+    version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm
+
+    original = vars(Handler)["transfer_async"]
+    monkeypatch.setattr(vllm, "__version__", version)
+    assert_warns_once(re.escape(version))
+    assert_untouched(original)
+
+
+def test_tested_versions_include_patch_releases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.2")
+    assert plugin.patch()
+
+
+def test_another_signature_leaves_everything_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pointer_utils that changed refuses the handler's patch too."""
+    original = vars(Handler)["transfer_async"]
+
+    def resolve_device_pointers(spec: Any, caches: Any, out: Any = None) -> Any:
+        raise AssertionError
+
+    module = fake_pointer_utils(resolve_device_pointers=resolve_device_pointers)
+    monkeypatch.setitem(sys.modules, POINTER_UTILS, module)
+    assert_warns_once("resolve_device_pointers has the signature")
+    assert_untouched(original, module)
+
+
+def test_a_changed_handler_method_leaves_vllm_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def transfer_async(self: Any, job_id: int, spec: Any) -> bool:
+        return True
+
+    monkeypatch.setattr(Handler, "transfer_async", transfer_async)
+    assert_warns_once("transfer_async has the signature")
+    assert_untouched(transfer_async)
+
+
+def test_a_missing_attribute_leaves_vllm_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = vars(Handler)["transfer_async"]
+    monkeypatch.delattr(Handler, "_fill_direct_ops")
+    assert_warns_once("_fill_direct_ops is missing")
+    assert_untouched(original)
+    monkeypatch.undo()
+    monkeypatch.delattr(worker, "_new_descriptor_buffers")
+    assert_warns_once("_new_descriptor_buffers is missing")
+    assert_untouched(original)
+
+
+def test_a_missing_pointer_utils_function_leaves_vllm_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = vars(Handler)["transfer_async"]
+    module = fake_pointer_utils()
+    del module.iter_pointer_groups
+    monkeypatch.setitem(sys.modules, POINTER_UTILS, module)
+    assert_warns_once("iter_pointer_groups is missing")
+    assert_untouched(original, module)
+
+
+# --- register(): the entry point -----------------------------------------------
+
+
+def test_register_patches_once_and_logs_one_line(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PTRRES_VLLM", raising=False)
+    with caplog.at_level(logging.INFO, logger="ptrres.vllm"):
+        plugin.register()
+        plugin.register()
+        plugin.register()
+    assert plugin.is_patched()
+    lines = [r for r in caplog.records if r.name == "ptrres.vllm"]
+    assert len(lines) == 1
+    assert lines[0].levelno == logging.INFO
+    assert "SingleDirectionOffloadingHandler.transfer_async" in lines[0].getMessage()
+
+
+def test_register_reports_among_vllms_lines_when_nobody_handles_ptrres(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside vLLM only its "vllm" logger has a handler: report through it."""
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    monkeypatch.delenv("PTRRES_VLLM", raising=False)
+    monkeypatch.setattr(plugin.logger, "hasHandlers", lambda: False)
+    child = logging.getLogger("vllm.ptrres")
+    handler = Collect(logging.INFO)
+    child.addHandler(handler)
+    monkeypatch.setattr(child, "level", logging.INFO)
+    try:
+        plugin.register()
+    finally:
+        child.removeHandler(handler)
+    assert [r.levelno for r in records] == [logging.INFO]
+    assert "transfer_async" in records[0].getMessage()
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF"])
+def test_ptrres_vllm_0_keeps_the_plugin_off(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = vars(Handler)["transfer_async"]
+    monkeypatch.setenv("PTRRES_VLLM", value)
+    plugin.register()
+    assert_untouched(original)
+
+
+def test_register_never_raises(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> list[str]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(plugin, "patch", broken)
+    with caplog.at_level(logging.WARNING, logger="ptrres.vllm"):
+        plugin.register()
+    assert "could not patch vLLM" in caplog.text
+
+
+def test_register_on_an_untested_version_warns_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import vllm
+
+    original = vars(Handler)["transfer_async"]
+    monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    with pytest.warns(plugin.VllmPatchWarning):
+        plugin.register()
+    assert_untouched(original)
+
+
+def test_the_entry_point_is_declared() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    section = re.search(
+        r'^\[project\.entry-points\."vllm\.general_plugins"\]\n(.*?)(?:^\[|\Z)',
+        text,
+        re.M | re.S,
+    )
+    assert section is not None
+    assert re.search(r'^ptrres = "ptrres\.vllm:register"$', section.group(1), re.M)
+    assert re.search(r'^vllm = \["vllm==0\.33\.\*"\]$', text, re.M)
+
+
+def test_vllm_finds_the_installed_entry_point() -> None:
+    """Where ptrres is installed (as in CI), vLLM's loader finds register()."""
+    try:
+        dist = importlib.metadata.distribution("ptrres")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("ptrres is not installed (the pyproject test covers this)")
+    if f"file://{ROOT}" not in (dist.read_text("direct_url.json") or ""):
+        pytest.skip("the installed ptrres is another checkout's (as in dev venvs)")
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    assert DEFAULT_PLUGINS_GROUP == "vllm.general_plugins"
+    declared = [ep for ep in dist.entry_points if ep.group == DEFAULT_PLUGINS_GROUP]
+    assert [ep.value for ep in declared] == ["ptrres.vllm:register"]
+    assert load_plugins_by_group(DEFAULT_PLUGINS_GROUP)["ptrres"] is plugin.register
+
+
+def test_importing_ptrres_never_imports_vllm() -> None:
+    code = (
+        "import sys, ptrres, ptrres.vllm\n"
+        "loaded = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
+        "assert not loaded, loaded\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        ("vllm", "vLLM cannot be imported"),
+        (worker.__name__, "gpu_worker cannot be imported"),
+    ],
+)
+def test_a_vllm_that_cannot_be_imported_is_left_alone(
+    module: str, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = vars(Handler)["transfer_async"]
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    assert_warns_once(reason)
+    assert_untouched(original)
+
+
+def test_a_missing_handler_class_leaves_vllm_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(worker, "SingleDirectionOffloadingHandler")
+    assert_warns_once("SingleDirectionOffloadingHandler is missing")
+    assert not plugin.is_patched()
+
+
+def test_a_method_without_a_signature_leaves_vllm_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Unreadable:
+        __signature__ = "not a Signature"  # inspect.signature raises TypeError
+
+        def __call__(self) -> None:
+            pass
+
+    monkeypatch.setattr(Handler, "get_finished", Unreadable())
+    assert_warns_once("get_finished has no readable signature")
+    assert not plugin.is_patched()
+
+
+def test_optional_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert plugin._optional_module("json") is sys.modules["json"]
+    monkeypatch.delitem(sys.modules, "wave", raising=False)  # found, then imported
+    assert plugin._optional_module("wave").__name__ == "wave"  # type: ignore[union-attr]
+    assert plugin._optional_module("vllm.no_such_package.pointer_utils") is None
+    assert plugin._optional_module(POINTER_UTILS) is None  # not in vLLM 0.33

@@ -1,0 +1,220 @@
+"""vLLM 0.33's own offloading handler, run on CPU tensors with stubbed streams.
+
+The handler is built through its real ``__init__``: its GPU tensors are CPU
+tensors of a subclass that reports ``is_cuda``, streams and events are stubs,
+and what it submits to ``swap_blocks_batch`` is captured (or executed as
+memmoves over the descriptors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+# Not `import vllm`: without vLLM that finds tests/vllm as a namespace package.
+worker = pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker")
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    GPULoadStoreSpec,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+
+
+class FakeCudaTensor(torch.Tensor):  # type: ignore[misc]
+    """A CPU tensor that says it is on CUDA (sharing the CPU tensor's storage)."""
+
+    # Plain tensor methods, without __torch_function__'s per-call cost.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def fake_cuda(tensor: Any) -> Any:
+    return tensor.as_subclass(FakeCudaTensor)
+
+
+class FakeStream:
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class FakePlatform:
+    """The few calls the handler makes on vLLM's current_platform."""
+
+    Stream = FakeStream
+
+    def __init__(self, xpu: bool = False) -> None:
+        self.xpu = xpu
+
+    def current_stream(self) -> FakeStream:
+        return FakeStream()
+
+    @contextlib.contextmanager
+    def stream(self, stream: Any) -> Iterator[None]:
+        yield
+
+    def is_xpu(self) -> bool:
+        return self.xpu
+
+    def is_rocm(self) -> bool:
+        return False
+
+
+@dataclass
+class Submitted:
+    """What one swap_blocks_batch call received (copied: buffers are pooled)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+
+
+@dataclass
+class CopyEngine:
+    """Stands in for ops.swap_blocks_batch: records, and optionally copies."""
+
+    memmove: bool = False
+    calls: list[Submitted] = field(default_factory=list)
+
+    def __call__(
+        self,
+        src: Any,
+        dst: Any,
+        sizes: Any,
+        is_src_access_order_any: bool = False,
+    ) -> None:
+        assert src.dtype == dst.dtype == sizes.dtype
+        assert src.dtype in (torch.int64, torch.uint64)
+        call = Submitted(src.numpy().copy(), dst.numpy().copy(), sizes.numpy().copy())
+        self.calls.append(call)
+        if self.memmove:
+            for s, d, n in zip(call.src, call.dst, call.sizes):
+                ctypes.memmove(int(d), int(s), int(n))
+
+
+@contextlib.contextmanager
+def stubbed_vllm(
+    copy: Callable[..., None] | None = None, *, xpu: bool = False
+) -> Iterator[Any]:
+    """Streams, events and pinned memory stubbed; ops.swap_blocks_batch = copy.
+
+    With ``xpu``, the platform says XPU, so vLLM's buffers are uint64.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker, "current_platform", FakePlatform(xpu))
+        mp.setattr(worker, "PIN_MEMORY", False)
+        mp.setattr(torch, "Event", FakeEvent)
+        mp.setattr(worker.ops, "swap_blocks_batch", copy or CopyEngine())
+        yield mp
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A direct KV layout: GPU and CPU tensors, refs per group, bpc."""
+
+    gpu_tensors: list[Any]
+    cpu_tensors: list[Any]
+    refs: list[list[Any]]
+    blocks_per_chunk: int
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return min(t.shape[0] for t in self.gpu_tensors)
+
+    @property
+    def num_cpu_chunks(self) -> int:
+        return min(t.shape[0] for t in self.cpu_tensors)
+
+    def handler(self, gpu_to_cpu: bool) -> Any:
+        """vLLM's own handler, through its real __init__ (stubs in place)."""
+        return worker.SingleDirectionOffloadingHandler(
+            gpu_tensors=list(self.gpu_tensors),
+            cpu_tensors=list(self.cpu_tensors),
+            blocks_per_chunk=self.blocks_per_chunk,
+            layer_refs_per_group=self.refs,
+            gpu_to_cpu=gpu_to_cpu,
+        )
+
+
+def padded_rows(num_rows: int, row_bytes: int, pad: int) -> Any:
+    """An int8 (num_rows, row_bytes) view with row stride row_bytes + pad."""
+    base = torch.zeros((num_rows, row_bytes + pad), dtype=torch.int8)
+    return base[:, :row_bytes]
+
+
+def make_layout(
+    gpu_rows: Sequence[tuple[int, int, int]],
+    refs: Sequence[Sequence[tuple[int, int]]],
+    blocks_per_chunk: int,
+    num_cpu_chunks: int,
+    cpu_pad: int = 0,
+) -> Layout:
+    """gpu_rows: (num_blocks, row_bytes, pad) per tensor; refs: (tensor, page)."""
+    gpu = [fake_cuda(padded_rows(n, row, pad)) for n, row, pad in gpu_rows]
+    cpu = [
+        padded_rows(num_cpu_chunks, row * blocks_per_chunk, cpu_pad)
+        for _, row, _ in gpu_rows
+    ]
+    return Layout(
+        gpu,
+        cpu,
+        [[CanonicalKVCacheRef(t, page) for t, page in group] for group in refs],
+        blocks_per_chunk,
+    )
+
+
+def chunks_of(
+    group_sizes: Sequence[int], block_indices: Sequence[int], bpc: int
+) -> int:
+    """How many CPU chunk ids a transfer of these groups takes."""
+    return sum(
+        -(-(n + index % bpc) // bpc)
+        for n, index in zip(group_sizes, block_indices)
+        if n
+    )
+
+
+def specs(
+    block_ids: Sequence[int],
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    cpu_ids: Sequence[int],
+    *,
+    gpu_to_cpu: bool,
+    dtype: Any = np.int32,
+) -> tuple[Any, Any]:
+    """(src_spec, dst_spec) as vLLM's offloading connector passes them."""
+    gpu = GPULoadStoreSpec(list(block_ids), list(group_sizes), list(block_indices))
+    cpu = CPULoadStoreSpec(list(cpu_ids))
+    gpu.block_ids = gpu.block_ids.astype(dtype)
+    cpu.block_ids = cpu.block_ids.astype(dtype)
+    return (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
