@@ -68,9 +68,9 @@ def run_plan(
         chunk_ids = chunk_ids.astype(np.int64)
     src, dst, sizes = out_arrays(out, n_ops, SRC_DST_SIZES)
     # Room for the chunk and sub-block of each block of a group, and for its
-    # runs (one more entry): sized by all the ids, as max() of the group
-    # sizes costs more than the memory.
-    scratch = np.empty((3, len(block_ids) + 1), np.int64)
+    # runs (one more entry; kernels.coalesce.find_runs): sized by all the
+    # ids, as max() of the group sizes costs more than the memory.
+    scratch = np.empty((6, len(block_ids) + 1), np.int64)
     written = _kernels.plan_kernel(
         table.ref_table,
         table.group_ref_start,
