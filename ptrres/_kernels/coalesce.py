@@ -23,6 +23,7 @@ from .common import (
     ZERO,
     UIntArray,
     overlaps,
+    rows_of,
 )
 
 # A descriptor or a run of them: (src or device ptr, dst or offloaded ptr, size).
@@ -208,64 +209,83 @@ def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
 
 @inline_helper
 def fill_runs(
-    out: Any, written: Any, runs: Any, n_runs: Any, rows: Any, cap: Any
+    out: Any, written: Any, tables: Any, refs: Any, runs: Any, n_runs: Any, cap: Any
 ) -> Any:
-    """Append one ref's runs of pages, one descriptor per run, as
-    coalesce_kernel would merge its pages: for runs that each fit the cap
-    (max_run_bytes), with a loop like fill_blocks's, which vectorises.
+    """Append the runs of pages of refs that share their steps (find_runs's),
+    one descriptor per run, as coalesce_kernel would merge their pages: for
+    runs that each fit the cap (max_run_bytes), with a loop like
+    fill_blocks's, which vectorises. All the refs in one call: a helper
+    taking arrays costs reference counting on every call.
 
-    The first run's pages may first grow the last descriptor, while it ends
-    where they start and stays within the cap (as in append_runs); no other
-    run continues the run before it, as find_runs split them there.
+    A ref's first run may first grow the last descriptor, while it ends where
+    the run starts and stays within the cap (as in append_runs); no other run
+    continues the run before it, as find_runs split them there.
 
     Args:
-        out, written, rows, cap: as append_runs.
+        out, written, cap: as append_runs.
+        tables: (ref_table, offloaded_refs).
+        refs: (first, one past the last) of the refs.
         runs, n_runs: find_runs's.
 
     Returns:
         The new number of descriptors.
     """
     dev_out, off_out, sizes = out
+    for ref in range(refs[0], refs[1]):
+        ref_row, off_row = rows_of(tables, ref)
+        base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
+        page = np.uint64(ref_row[PAGE_SIZE])
+        off_base_ptr = off_row[OFF_BASE_PTR]
+        off_row_stride, sub_bytes = off_row[OFF_ROW_STRIDE], off_row[OFF_SUB_BYTES]
+        first_run = ZERO
+        if written > ZERO:
+            last = written - ONE
+            run_size = sizes[last]
+            dev_ptr = np.uint64(base_ptr + runs[RUN_IDS, 0] * row_stride)
+            off_ptr = np.uint64(
+                off_base_ptr
+                + runs[RUN_CHUNKS, 0] * off_row_stride
+                + runs[RUN_SUBS, 0] * sub_bytes
+            )
+            if continues(
+                (dev_out[last], off_out[last], run_size), (dev_ptr, off_ptr, page), cap
+            ):
+                n_pages = np.uint64(runs[RUN_STARTS, 1])
+                joined = n_pages
+                if page > ZERO:
+                    joined = min(n_pages, (cap - run_size) // page)
+                sizes[last] = run_size + joined * page
+                first_run = ONE
+                if joined < n_pages:  # the rest of the run: within the cap
+                    dev_out[written] = dev_ptr + joined * page
+                    off_out[written] = off_ptr + joined * page
+                    sizes[written] = (n_pages - joined) * page
+                    written += ONE
+        for run in range(first_run, n_runs):
+            op = written + run - first_run
+            dev_out[op] = base_ptr + runs[RUN_IDS, run] * row_stride
+            off_out[op] = (
+                off_base_ptr
+                + runs[RUN_CHUNKS, run] * off_row_stride
+                + runs[RUN_SUBS, run] * sub_bytes
+            )
+            n_pages = runs[RUN_STARTS, run + ONE] - runs[RUN_STARTS, run]
+            sizes[op] = np.uint64(n_pages) * page
+        written += n_runs - first_run
+    return written
+
+
+@inline_helper
+def steps_of(rows: Any) -> Any:
+    """A ref's (row stride, page size, offloaded row stride, sub-block
+    bytes): what decides where its runs break (starts_run)."""
     ref_row, off_row = rows
-    base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
-    page = np.uint64(ref_row[PAGE_SIZE])
-    off_base_ptr, off_row_stride = off_row[OFF_BASE_PTR], off_row[OFF_ROW_STRIDE]
-    sub_bytes = off_row[OFF_SUB_BYTES]
-    first_run = ZERO
-    if written > ZERO:
-        last = written - ONE
-        run_size = sizes[last]
-        dev_ptr = np.uint64(base_ptr + runs[RUN_IDS, 0] * row_stride)
-        off_ptr = np.uint64(
-            off_base_ptr
-            + runs[RUN_CHUNKS, 0] * off_row_stride
-            + runs[RUN_SUBS, 0] * sub_bytes
-        )
-        if continues(
-            (dev_out[last], off_out[last], run_size), (dev_ptr, off_ptr, page), cap
-        ):
-            n_pages = np.uint64(runs[RUN_STARTS, 1])
-            joined = n_pages
-            if page > ZERO:
-                joined = min(n_pages, (cap - run_size) // page)
-            sizes[last] = run_size + joined * page
-            first_run = ONE
-            if joined < n_pages:  # the rest of the run: within the cap
-                dev_out[written] = dev_ptr + joined * page
-                off_out[written] = off_ptr + joined * page
-                sizes[written] = (n_pages - joined) * page
-                written += ONE
-    for run in range(first_run, n_runs):
-        op = written + run - first_run
-        dev_out[op] = base_ptr + runs[RUN_IDS, run] * row_stride
-        off_out[op] = (
-            off_base_ptr
-            + runs[RUN_CHUNKS, run] * off_row_stride
-            + runs[RUN_SUBS, run] * sub_bytes
-        )
-        n_pages = runs[RUN_STARTS, run + ONE] - runs[RUN_STARTS, run]
-        sizes[op] = np.uint64(n_pages) * page
-    return written + n_runs - first_run
+    return (
+        ref_row[ROW_STRIDE],
+        ref_row[PAGE_SIZE],
+        off_row[OFF_ROW_STRIDE],
+        off_row[OFF_SUB_BYTES],
+    )
 
 
 @inline_helper

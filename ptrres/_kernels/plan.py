@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 
 from .._config import inline_helper, kernel
-from .coalesce import append_runs, block_pointers, continues, fill_runs, find_runs
+from .coalesce import (
+    append_runs,
+    block_pointers,
+    continues,
+    fill_runs,
+    find_runs,
+    steps_of,
+)
 from .common import (
     BAD_BLOCK_ID,
     BAD_OFFLOADED_ID,
@@ -259,19 +266,15 @@ def fill_merged(
         The new number of descriptors.
     """
     dev_out, off_out, sizes = out
-    # Refs of one group usually share their geometry, and with it their runs:
-    # find them once per group and geometry.
+    # Refs of one group usually share their steps, and with them their runs:
+    # find them once per group and steps.
     runs_of = (-1, -1, -1, -1)
     n_runs = longest = ZERO
     n_blocks = np.uint64(blocks[0].shape[0])
-    for ref in range(refs[0], refs[1]):
+    ref, end = refs
+    while ref < end:
         rows = rows_of(tables, ref)
-        steps = (
-            rows[0][ROW_STRIDE],
-            rows[0][PAGE_SIZE],
-            rows[1][OFF_ROW_STRIDE],
-            rows[1][OFF_SUB_BYTES],
-        )
+        steps = steps_of(rows)
         if steps != runs_of:
             runs_of = steps
             n_runs, longest = find_runs(blocks, steps, runs)
@@ -288,8 +291,15 @@ def fill_merged(
                     sizes[last] += page
                     first_k = ONE
             written = fill_blocks(out, written, blocks, rows, first_k)
+            ref += 1
         elif page == ZERO or longest <= cap // page:
-            written = fill_runs(out, written, runs, n_runs, rows, cap)
+            # This ref and the following ones of the same steps, in one call.
+            same = ref + 1
+            while same < end and steps_of(rows_of(tables, same)) == steps:
+                same += 1
+            written = fill_runs(out, written, tables, (ref, same), runs, n_runs, cap)
+            ref = same
         else:  # runs the cap splits
             written = append_runs(out, written, blocks, runs, n_runs, rows, cap)
+            ref += 1
     return written
