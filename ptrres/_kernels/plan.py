@@ -2,7 +2,8 @@
 
 plan_kernel checks every id first (check_ids), then per group maps each block
 to its offloaded chunk and sub-block (map_chunks) and fills the descriptors of
-each ref, one per block (fill_blocks) or merged into runs (fill_merged).
+each ref, one per block (fill_blocks), or merged into runs (fill_merged, which
+loops over the groups itself).
 """
 
 from __future__ import annotations
@@ -111,8 +112,14 @@ def plan_kernel(
     # Device pointers go to src on a store and to dst on a load; contiguity is
     # the same condition in either direction.
     out = (src, dst, sizes) if store else (dst, src, sizes)
+    if merge:
+        all_ids = (block_ids, offloaded_ids)
+        return np.int64(
+            fill_merged(
+                out, tables, group_ref_start, groups, all_ids, bpc, scratch, cap
+            )
+        )
     chunk_of, sub_block_of = scratch[0], scratch[1]
-    runs = scratch[2:]
     group_sizes, block_indices = groups[0], groups[1]
     written = ZERO
     first_id = first_chunk = ZERO
@@ -120,22 +127,25 @@ def plan_kernel(
         n_blocks = np.uint64(group_sizes[group])
         if n_blocks == ZERO:
             continue
+        skip, n_chunks = group_chunks(n_blocks, block_indices[group], bpc)
         ids = block_ids[first_id : first_id + n_blocks]
-        first_id += n_blocks
-        skip = np.uint64(block_indices[group]) % bpc
-        n_chunks = chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE  # last's, + 1
         chunks = offloaded_ids[first_chunk : first_chunk + n_chunks]
+        first_id += n_blocks
         first_chunk += n_chunks
         blocks = (ids, chunk_of, sub_block_of)  # not sliced: views cost
         map_chunks(chunks, skip, bpc, blocks)
-        refs = (group_ref_start[group], group_ref_start[group + 1])
-        if merge:
-            written = fill_merged(out, written, tables, refs, blocks, runs, cap)
-        else:
-            for ref in range(refs[0], refs[1]):
-                rows = rows_of(tables, ref)
-                written = fill_blocks(out, written, blocks, rows, ZERO)
+        for ref in range(group_ref_start[group], group_ref_start[group + 1]):
+            rows = rows_of(tables, ref)
+            written = fill_blocks(out, written, blocks, rows, ZERO)
     return np.int64(written)
+
+
+@inline_helper
+def group_chunks(n_blocks: np.uint64, block_index: Any, bpc: np.uint64) -> Any:
+    """(skip, n_chunks) of a non-empty group: the sub-block of its first
+    chunk that its first block goes to, and the chunks it spans."""
+    skip = np.uint64(block_index) % bpc
+    return skip, chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE  # last's, + 1
 
 
 @inline_helper
@@ -246,60 +256,82 @@ def fill_blocks(
 @inline_helper
 def fill_merged(
     out: Any,
-    written: np.uint64,
     tables: Any,
-    refs: Any,
-    blocks: Any,
-    runs: Any,
+    group_ref_start: IntArray,
+    groups: IntArray,
+    ids: Any,
+    bpc: np.uint64,
+    scratch: IntArray,
     cap: np.uint64,
 ) -> Any:
-    """Append a group's descriptors, ref by ref, merged as coalesce_kernel
-    would merge them.
+    """Fill every group's descriptors, ref by ref, merged as coalesce_kernel
+    would merge them: plan_kernel's loop over groups when it merges. One call
+    for all the groups, as the helpers it calls make it pay reference
+    counting on every call.
 
     Args:
         tables: (ref_table, offloaded_refs).
-        refs: the group's rows of them, (first, one past the last).
-        runs: room for find_runs.
-        out, written, blocks, cap: as coalesce.append_runs.
+        ids: (block_ids, offloaded_ids).
+        scratch: plan_kernel's: rows 2 on are room for find_runs.
+        out, group_ref_start, groups, bpc: as plan_kernel's.
+        cap: max_run_bytes as uint64.
 
     Returns:
-        The new number of descriptors.
+        The number of descriptors written.
     """
     dev_out, off_out, sizes = out
-    # Refs of one group usually share their steps, and with them their runs:
-    # find them once per group and steps.
-    runs_of = (-1, -1, -1, -1)
-    n_runs = longest = ZERO
-    n_blocks = np.uint64(blocks[0].shape[0])
-    ref, end = refs
-    while ref < end:
-        rows = rows_of(tables, ref)
-        steps = steps_of(rows)
-        if steps != runs_of:
-            runs_of = steps
-            n_runs, longest = find_runs(blocks, steps, runs)
-        page = np.uint64(rows[0][PAGE_SIZE])
-        if n_runs == n_blocks:
-            # No two blocks of this ref continue each other: only the first
-            # may continue the last descriptor (of another ref).
-            first_k = ZERO
-            if written > ZERO:
-                last = written - ONE
-                dev_ptr, off_ptr = block_pointers(rows, blocks, ZERO)
-                run = (dev_out[last], off_out[last], sizes[last])
-                if continues(run, (dev_ptr, off_ptr, page), cap):
-                    sizes[last] += page
-                    first_k = ONE
-            written = fill_blocks(out, written, blocks, rows, first_k)
-            ref += 1
-        elif page == ZERO or longest <= cap // page:
-            # This ref and the following ones of the same steps, in one call.
-            same = ref + 1
-            while same < end and steps_of(rows_of(tables, same)) == steps:
-                same += 1
-            written = fill_runs(out, written, tables, (ref, same), runs, n_runs, cap)
-            ref = same
-        else:  # runs the cap splits
-            written = append_runs(out, written, blocks, runs, n_runs, rows, cap)
-            ref += 1
+    block_ids, offloaded_ids = ids
+    chunk_of, sub_block_of = scratch[0], scratch[1]
+    runs = scratch[2:]
+    group_sizes, block_indices = groups[0], groups[1]
+    written = ZERO
+    first_id = first_chunk = ZERO
+    for group in range(group_sizes.shape[0]):
+        n_blocks = np.uint64(group_sizes[group])
+        if n_blocks == ZERO:
+            continue
+        skip, n_chunks = group_chunks(n_blocks, block_indices[group], bpc)
+        group_ids = block_ids[first_id : first_id + n_blocks]
+        chunks = offloaded_ids[first_chunk : first_chunk + n_chunks]
+        first_id += n_blocks
+        first_chunk += n_chunks
+        blocks = (group_ids, chunk_of, sub_block_of)
+        map_chunks(chunks, skip, bpc, blocks)
+        # Refs of one group usually share their steps, and with them their
+        # runs: find them once per group and steps.
+        runs_of = (-1, -1, -1, -1)
+        n_runs = longest = ZERO
+        ref, end = group_ref_start[group], group_ref_start[group + 1]
+        while ref < end:
+            rows = rows_of(tables, ref)
+            steps = steps_of(rows)
+            if steps != runs_of:
+                runs_of = steps
+                n_runs, longest = find_runs(blocks, steps, runs)
+            page = np.uint64(rows[0][PAGE_SIZE])
+            if n_runs == n_blocks:
+                # No two blocks of this ref continue each other: only the
+                # first may continue the last descriptor (of another ref).
+                first_k = ZERO
+                if written > ZERO:
+                    last = written - ONE
+                    dev_ptr, off_ptr = block_pointers(rows, blocks, ZERO)
+                    run = (dev_out[last], off_out[last], sizes[last])
+                    if continues(run, (dev_ptr, off_ptr, page), cap):
+                        sizes[last] += page
+                        first_k = ONE
+                written = fill_blocks(out, written, blocks, rows, first_k)
+                ref += 1
+            elif page == ZERO or longest <= cap // page:
+                # This ref and the next ones of the same steps, in one call.
+                same = ref + 1
+                while same < end and steps_of(rows_of(tables, same)) == steps:
+                    same += 1
+                written = fill_runs(
+                    out, written, tables, (ref, same), runs, n_runs, cap
+                )
+                ref = same
+            else:  # runs the cap splits
+                written = append_runs(out, written, blocks, runs, n_runs, rows, cap)
+                ref += 1
     return written
