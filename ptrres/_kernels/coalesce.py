@@ -154,16 +154,32 @@ def starts_run(before: Any, block: Any, steps: Any) -> bool:
 
 
 @inline_helper
+def count_runs(blocks: Any, steps: Any) -> Any:
+    """How many runs contiguous on both sides a group's blocks make, for refs
+    of these steps (starts_run), in a loop that vectorises.
+
+    Args:
+        blocks: as block_pointers.
+        steps: as starts_run.
+    """
+    ids, chunk_of, sub_block_of = blocks
+    n_runs = ONE
+    for k in range(ONE, np.uint64(ids.shape[0])):
+        before = (ids[k - ONE], chunk_of[k - ONE], sub_block_of[k - ONE])
+        block = (ids[k], chunk_of[k], sub_block_of[k])
+        n_runs += np.uint64(starts_run(before, block, steps))
+    return n_runs
+
+
+@inline_helper
 def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
     """Split a group's blocks into runs contiguous on both sides, for refs of
-    one geometry (starts_run).
+    these steps (starts_run), when some block continues another (count_runs).
 
-    Runs are counted first, in a loop that vectorises: when every block
-    starts one (random ids, say), that is all. Otherwise each run's first
-    block is stored as well (its id, chunk and sub-block), so that a ref's
-    runs fill as its blocks would, one descriptor per run; that loop has no
-    branch: it stores block k where the next run would go, and counts a run
-    only where one starts.
+    Each run's first block is stored (its id, chunk and sub-block), so that a
+    ref's runs fill as its blocks would, one descriptor per run. The loop has
+    no branch: it stores block k where the next run would go, and counts a
+    run only where one starts.
 
     Args:
         blocks: as block_pointers.
@@ -175,18 +191,10 @@ def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
             counting.
 
     Returns:
-        (the number of runs, the blocks of the longest); when every block
-        starts a run, ``runs`` is left as it was.
+        The blocks of the longest run.
     """
     ids, chunk_of, sub_block_of = blocks
     n_blocks = np.uint64(ids.shape[0])
-    n_runs = ONE
-    for k in range(ONE, n_blocks):
-        before = (ids[k - ONE], chunk_of[k - ONE], sub_block_of[k - ONE])
-        block = (ids[k], chunk_of[k], sub_block_of[k])
-        n_runs += np.uint64(starts_run(before, block, steps))
-    if n_runs == n_blocks:
-        return n_runs, ONE
     runs[RUN_STARTS, 0] = 0
     runs[RUN_IDS, 0] = ids[0]
     runs[RUN_CHUNKS, 0] = chunk_of[0]
@@ -204,7 +212,7 @@ def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
     longest = 0
     for run in range(n_runs):
         longest = max(longest, runs[RUN_STARTS, run + ONE] - runs[RUN_STARTS, run])
-    return n_runs, np.uint64(longest)
+    return np.uint64(longest)
 
 
 @inline_helper

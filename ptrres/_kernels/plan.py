@@ -17,6 +17,7 @@ from .coalesce import (
     append_runs,
     block_pointers,
     continues,
+    count_runs,
     fill_runs,
     find_runs,
     steps_of,
@@ -307,7 +308,9 @@ def fill_merged(
             steps = steps_of(rows)
             if steps != runs_of:
                 runs_of = steps
-                n_runs, longest = find_runs(blocks, steps, runs)
+                n_runs = count_runs(blocks, steps)
+                if n_runs < n_blocks:
+                    longest = find_runs(blocks, steps, runs)
             page = np.uint64(rows[0][PAGE_SIZE])
             if n_runs == n_blocks:
                 # No two blocks of this ref continue each other: only the
