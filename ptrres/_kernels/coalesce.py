@@ -154,32 +154,14 @@ def starts_run(before: Any, block: Any, steps: Any) -> bool:
 
 
 @inline_helper
-def count_runs(blocks: Any, steps: Any) -> Any:
-    """How many runs contiguous on both sides a group's blocks make, for refs
-    of these steps (starts_run), in a loop that vectorises.
-
-    Args:
-        blocks: as block_pointers.
-        steps: as starts_run.
-    """
-    ids, chunk_of, sub_block_of = blocks
-    n_runs = ONE
-    for k in range(ONE, np.uint64(ids.shape[0])):
-        before = (ids[k - ONE], chunk_of[k - ONE], sub_block_of[k - ONE])
-        block = (ids[k], chunk_of[k], sub_block_of[k])
-        n_runs += np.uint64(starts_run(before, block, steps))
-    return n_runs
-
-
-@inline_helper
 def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
     """Split a group's blocks into runs contiguous on both sides, for refs of
-    these steps (starts_run), when some block continues another (count_runs).
+    these steps (starts_run).
 
     Each run's first block is stored (its id, chunk and sub-block), so that a
-    ref's runs fill as its blocks would, one descriptor per run. The loop has
-    no branch: it stores block k where the next run would go, and counts a
-    run only where one starts.
+    ref's runs fill as its blocks would, one descriptor per run. The loop
+    stores block k where the next run would go, and counts a run only where
+    one starts.
 
     Args:
         blocks: as block_pointers.
@@ -191,7 +173,7 @@ def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
             counting.
 
     Returns:
-        The blocks of the longest run.
+        (the number of runs, the blocks of the longest).
     """
     ids, chunk_of, sub_block_of = blocks
     n_blocks = np.uint64(ids.shape[0])
@@ -199,7 +181,8 @@ def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
     runs[RUN_IDS, 0] = ids[0]
     runs[RUN_CHUNKS, 0] = chunk_of[0]
     runs[RUN_SUBS, 0] = sub_block_of[0]
-    n_runs = ONE
+    n_runs = longest = ONE
+    run_start = ZERO
     for k in range(ONE, n_blocks):
         runs[RUN_STARTS, n_runs] = k
         runs[RUN_IDS, n_runs] = ids[k]
@@ -207,12 +190,12 @@ def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
         runs[RUN_SUBS, n_runs] = sub_block_of[k]
         before = (ids[k - ONE], chunk_of[k - ONE], sub_block_of[k - ONE])
         block = (ids[k], chunk_of[k], sub_block_of[k])
-        n_runs += np.uint64(starts_run(before, block, steps))
+        starts = starts_run(before, block, steps)
+        n_runs += np.uint64(starts)
+        run_start = k if starts else run_start
+        longest = max(longest, k + ONE - run_start)
     runs[RUN_STARTS, n_runs] = n_blocks
-    longest = 0
-    for run in range(n_runs):
-        longest = max(longest, runs[RUN_STARTS, run + ONE] - runs[RUN_STARTS, run])
-    return np.uint64(longest)
+    return n_runs, longest
 
 
 @inline_helper

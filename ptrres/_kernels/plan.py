@@ -15,9 +15,6 @@ import numpy as np
 from .._config import inline_helper, kernel
 from .coalesce import (
     append_runs,
-    block_pointers,
-    continues,
-    count_runs,
     fill_runs,
     find_runs,
     steps_of,
@@ -280,7 +277,6 @@ def fill_merged(
     Returns:
         The number of descriptors written.
     """
-    dev_out, off_out, sizes = out
     block_ids, offloaded_ids = ids
     chunk_of, sub_block_of = scratch[0], scratch[1]
     runs = scratch[2:]
@@ -308,24 +304,9 @@ def fill_merged(
             steps = steps_of(rows)
             if steps != runs_of:
                 runs_of = steps
-                n_runs = count_runs(blocks, steps)
-                if n_runs < n_blocks:
-                    longest = find_runs(blocks, steps, runs)
+                n_runs, longest = find_runs(blocks, steps, runs)
             page = np.uint64(rows[0][PAGE_SIZE])
-            if n_runs == n_blocks:
-                # No two blocks of this ref continue each other: only the
-                # first may continue the last descriptor (of another ref).
-                first_k = ZERO
-                if written > ZERO:
-                    last = written - ONE
-                    dev_ptr, off_ptr = block_pointers(rows, blocks, ZERO)
-                    run = (dev_out[last], off_out[last], sizes[last])
-                    if continues(run, (dev_ptr, off_ptr, page), cap):
-                        sizes[last] += page
-                        first_k = ONE
-                written = fill_blocks(out, written, blocks, rows, first_k)
-                ref += 1
-            elif page == ZERO or longest <= cap // page:
+            if page == ZERO or longest <= cap // page:
                 # This ref and the next ones of the same steps, in one call.
                 same = ref + 1
                 while same < end and steps_of(rows_of(tables, same)) == steps:
