@@ -2,8 +2,7 @@
 
 plan_kernel checks every id first (check_ids), then per group maps each block
 to its offloaded chunk and sub-block (map_chunks) and fills the descriptors of
-each ref, one per block (fill_blocks), or merged into runs (fill_merged, which
-loops over the groups itself).
+each ref, one per block (fill_blocks) or merged into runs (fill_merged).
 """
 
 from __future__ import annotations
@@ -110,14 +109,8 @@ def plan_kernel(
     # Device pointers go to src on a store and to dst on a load; contiguity is
     # the same condition in either direction.
     out = (src, dst, sizes) if store else (dst, src, sizes)
-    if merge:
-        all_ids = (block_ids, offloaded_ids)
-        return np.int64(
-            fill_merged(
-                out, tables, group_ref_start, groups, all_ids, bpc, scratch, cap
-            )
-        )
     chunk_of, sub_block_of = scratch[0], scratch[1]
+    runs = scratch[2:]
     group_sizes, block_indices = groups[0], groups[1]
     written = ZERO
     first_id = first_chunk = ZERO
@@ -132,9 +125,13 @@ def plan_kernel(
         first_chunk += n_chunks
         blocks = (ids, chunk_of, sub_block_of)  # not sliced: views cost
         map_chunks(chunks, skip, bpc, blocks)
-        for ref in range(group_ref_start[group], group_ref_start[group + 1]):
-            rows = rows_of(tables, ref)
-            written = fill_blocks(out, written, blocks, rows, ZERO)
+        refs = (group_ref_start[group], group_ref_start[group + 1])
+        if merge:
+            written = fill_merged(out, written, tables, refs, blocks, runs, cap)
+        else:
+            for ref in range(refs[0], refs[1]):
+                rows = rows_of(tables, ref)
+                written = fill_blocks(out, written, blocks, rows, ZERO)
     return np.int64(written)
 
 
@@ -254,68 +251,45 @@ def fill_blocks(
 @inline_helper
 def fill_merged(
     out: Any,
+    written: np.uint64,
     tables: Any,
-    group_ref_start: IntArray,
-    groups: IntArray,
-    ids: Any,
-    bpc: np.uint64,
-    scratch: IntArray,
+    refs: Any,
+    blocks: Any,
+    runs: Any,
     cap: np.uint64,
 ) -> Any:
-    """Fill every group's descriptors, ref by ref, merged as coalesce_kernel
-    would merge them: plan_kernel's loop over groups when it merges. One call
-    for all the groups, as the helpers it calls make it pay reference
-    counting on every call.
+    """Append a group's descriptors, ref by ref, merged as coalesce_kernel
+    would merge them.
 
     Args:
         tables: (ref_table, offloaded_refs).
-        ids: (block_ids, offloaded_ids).
-        scratch: plan_kernel's: rows 2 on are room for find_runs.
-        out, group_ref_start, groups, bpc: as plan_kernel's.
-        cap: max_run_bytes as uint64.
+        refs: the group's rows of them, (first, one past the last).
+        runs: room for find_runs.
+        out, written, blocks, cap: as coalesce.append_runs.
 
     Returns:
-        The number of descriptors written.
+        The new number of descriptors.
     """
-    block_ids, offloaded_ids = ids
-    chunk_of, sub_block_of = scratch[0], scratch[1]
-    runs = scratch[2:]
-    group_sizes, block_indices = groups[0], groups[1]
-    written = ZERO
-    first_id = first_chunk = ZERO
-    for group in range(group_sizes.shape[0]):
-        n_blocks = np.uint64(group_sizes[group])
-        if n_blocks == ZERO:
-            continue
-        skip, n_chunks = group_chunks(n_blocks, block_indices[group], bpc)
-        group_ids = block_ids[first_id : first_id + n_blocks]
-        chunks = offloaded_ids[first_chunk : first_chunk + n_chunks]
-        first_id += n_blocks
-        first_chunk += n_chunks
-        blocks = (group_ids, chunk_of, sub_block_of)
-        map_chunks(chunks, skip, bpc, blocks)
-        # Refs of one group usually share their steps, and with them their
-        # runs: find them once per group and steps.
-        runs_of = (-1, -1, -1, -1)
-        n_runs = longest = ZERO
-        ref, end = group_ref_start[group], group_ref_start[group + 1]
-        while ref < end:
-            rows = rows_of(tables, ref)
-            steps = steps_of(rows)
-            if steps != runs_of:
-                runs_of = steps
-                n_runs, longest = find_runs(blocks, steps, runs)
-            page = np.uint64(rows[0][PAGE_SIZE])
-            if page == ZERO or longest <= cap // page:
-                # This ref and the next ones of the same steps, in one call.
-                same = ref + 1
-                while same < end and steps_of(rows_of(tables, same)) == steps:
-                    same += 1
-                written = fill_runs(
-                    out, written, tables, (ref, same), runs, n_runs, cap
-                )
-                ref = same
-            else:  # runs the cap splits
-                written = append_runs(out, written, blocks, runs, n_runs, rows, cap)
-                ref += 1
+    # Refs of one group usually share their steps, and with them their runs:
+    # find them once per group and steps.
+    runs_of = (-1, -1, -1, -1)
+    n_runs = longest = ZERO
+    ref, end = refs
+    while ref < end:
+        rows = rows_of(tables, ref)
+        steps = steps_of(rows)
+        if steps != runs_of:
+            runs_of = steps
+            n_runs, longest = find_runs(blocks, steps, runs)
+        page = np.uint64(rows[0][PAGE_SIZE])
+        if page == ZERO or longest <= cap // page:
+            # This ref and the next ones of the same steps, in one call.
+            same = ref + 1
+            while same < end and steps_of(rows_of(tables, same)) == steps:
+                same += 1
+            written = fill_runs(out, written, tables, (ref, same), runs, n_runs, cap)
+            ref = same
+        else:  # runs the cap splits
+            written = append_runs(out, written, blocks, runs, n_runs, rows, cap)
+            ref += 1
     return written
