@@ -1,6 +1,6 @@
 """Coalescing: merging descriptors that continue each other on both sides.
 
-coalesce_kernel merges a finished plan; find_runs, fill_runs and append_runs
+coalesce_kernel merges a finished plan; find_runs, fill_runs and append_capped
 let plan_kernel merge while it fills, with exactly coalesce_kernel's result.
 """
 
@@ -209,11 +209,11 @@ def fill_runs(
     taking arrays costs reference counting on every call.
 
     A ref's first run may first grow the last descriptor, while it ends where
-    the run starts and stays within the cap (as in append_runs); no other run
+    the run starts and stays within the cap; no other run
     continues the run before it, as find_runs split them there.
 
     Args:
-        out, written, cap: as append_runs.
+        out, written, cap: as append_capped.
         tables: (ref_table, offloaded_refs).
         refs: (first, one past the last) of the refs.
         runs, n_runs: find_runs's.
@@ -280,52 +280,38 @@ def steps_of(rows: Any) -> Any:
 
 
 @inline_helper
-def append_runs(
-    out: Any, written: Any, blocks: Any, runs: Any, n_runs: Any, rows: Any, cap: Any
-) -> Any:
-    """Append one ref's runs of pages as coalesce_kernel would, page by page:
-    for a ref whose longest run the cap splits (fill_runs takes the others).
-
-    The first run's pages first grow the last descriptor while it ends where
-    they start and stays within the cap (max_run_bytes). Every other page goes
-    into a new descriptor holding as many pages of its run as the cap allows
-    (one when a page alone is over it): no run continues the run before it, as
-    find_runs split them there.
+def append_capped(out: Any, written: Any, blocks: Any, rows: Any, cap: Any) -> Any:
+    """Append one ref's pages as coalesce_kernel would merge them, page by
+    page: for a ref whose longest run the cap (max_run_bytes) splits, where
+    fill_runs does not apply. Each page grows the last descriptor when it
+    continues it (continues()), or starts the next.
 
     Args:
         out: (device-side, offloaded-side, sizes) outputs; ``written`` of
             them are filled.
         blocks, rows: as block_pointers.
-        runs, n_runs: find_runs's.
+        cap: max_run_bytes as uint64.
 
     Returns:
         The new number of descriptors.
     """
     dev_out, off_out, sizes = out
-    page = np.uint64(rows[0][PAGE_SIZE])  # > 0: fill_runs takes empty pages
-    pages_per_descriptor = ONE if page > cap else cap // page
-    for run in range(n_runs):
-        start = np.uint64(runs[RUN_STARTS, run])
-        n_pages = np.uint64(runs[RUN_STARTS, run + ONE]) - start
-        dev_ptr, off_ptr = block_pointers(rows, blocks, start)
-        if run == ZERO and written > ZERO:
-            last = written - ONE
-            run_size = sizes[last]
-            if continues(
-                (dev_out[last], off_out[last], run_size), (dev_ptr, off_ptr, page), cap
-            ):
-                joined = min(n_pages, (cap - run_size) // page)
-                sizes[last] = run_size + joined * page
-                dev_ptr += joined * page
-                off_ptr += joined * page
-                n_pages -= joined
-        while n_pages > ZERO:
-            pages = min(n_pages, pages_per_descriptor)
+    page = np.uint64(rows[0][PAGE_SIZE])
+    for k in range(np.uint64(blocks[0].shape[0])):
+        dev_ptr, off_ptr = block_pointers(rows, blocks, k)
+        joins = False
+        if written > ZERO:
+            last = (
+                dev_out[written - ONE],
+                off_out[written - ONE],
+                sizes[written - ONE],
+            )
+            joins = continues(last, (dev_ptr, off_ptr, page), cap)
+        if joins:
+            sizes[written - ONE] += page
+        else:
             dev_out[written] = dev_ptr
             off_out[written] = off_ptr
-            sizes[written] = pages * page
+            sizes[written] = page
             written += ONE
-            dev_ptr += pages * page
-            off_ptr += pages * page
-            n_pages -= pages
     return written

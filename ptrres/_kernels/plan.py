@@ -13,7 +13,7 @@ import numpy as np
 
 from .._config import inline_helper, kernel
 from .coalesce import (
-    append_runs,
+    append_capped,
     fill_runs,
     find_runs,
     steps_of,
@@ -223,7 +223,7 @@ def fill_blocks(
     one ref: branch-free, so that the loop vectorises.
 
     Args:
-        out, written, blocks, rows: as coalesce.append_runs.
+        out, written, blocks, rows: as coalesce.append_capped.
 
     Returns:
         The new number of descriptors.
@@ -265,7 +265,7 @@ def fill_merged(
         tables: (ref_table, offloaded_refs).
         refs: the group's rows of them, (first, one past the last).
         runs: room for find_runs.
-        out, written, blocks, cap: as coalesce.append_runs.
+        out, written, blocks, cap: as coalesce.append_capped.
 
     Returns:
         The new number of descriptors.
@@ -290,6 +290,6 @@ def fill_merged(
             written = fill_runs(out, written, tables, (ref, same), runs, n_runs, cap)
             ref = same
         else:  # runs the cap splits
-            written = append_runs(out, written, blocks, runs, n_runs, rows, cap)
+            written = append_capped(out, written, blocks, rows, cap)
             ref += 1
     return written
