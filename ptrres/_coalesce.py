@@ -49,12 +49,17 @@ def coalesce(
         )
     max_run = max_run_arg(max_run_bytes)
     out_src, out_dst, out_sizes = out_arrays(out, n, SRC_DST_SIZES)
-    num_bytes = int(sizes_in.sum(dtype=np.uint64))
     written = _kernels.coalesce_kernel(
         src_in, dst_in, sizes_in, max_run, out_src, out_dst, out_sizes
     )
     if written == _kernels.OVERLAPPING_BUFFERS:
         raise overlap_error("out's src, dst and sizes (each may be its own input)")
-    return TransferPlan(
-        out_src[:written], out_dst[:written], out_sizes[:written], num_bytes
+    out_src, out_dst, out_sizes = (
+        out_src[:written],
+        out_dst[:written],
+        out_sizes[:written],
     )
+    # The bytes of the merged sizes, each an exact sum of input sizes: the
+    # same total (modulo 2**64, as numpy sums), from fewer entries.
+    num_bytes = int(out_sizes.sum(dtype=np.uint64))
+    return TransferPlan(out_src, out_dst, out_sizes, num_bytes)

@@ -754,3 +754,70 @@ def test_zero_byte_pages_and_a_run_joining_the_last_ref_under_a_cap() -> None:
     assert_same_plan(
         plan, reference.coalesce(unmerged.src, unmerged.dst, unmerged.sizes)
     )
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [0, 9, 2, 14, 15],  # the only pair that continues ends the group
+        [0, 1, 5, 11, 12, 13, 3, 15],  # runs of 2 and 3 between single blocks
+        [0, 8, 3, 15],  # no pair continues: only the refs join
+    ],
+)
+@pytest.mark.parametrize("cap", [None, 96, 95, 64, 32, 20])
+@pytest.mark.parametrize("store", [True, False])
+def test_runs_of_a_group_filled_once_per_run(
+    ids: list[int], cap: Any, store: bool
+) -> None:
+    """Runs found once per group (as the fused merge fills them, one
+    descriptor per run while the longest fits the cap, page by page when it
+    does not) against the reference's coalesce of the plain plan.
+
+    Tensors carved from one buffer, on both sides: ref 1's first block (0)
+    continues ref 0's last (15). Caps 96 (the longest run, 3 pages, exactly),
+    95 (just under it), 64 and 32 (one page) and 20 (under a page).
+    """
+    device = torch.zeros(2, 16, 32, dtype=torch.int8)
+    host = torch.zeros(2, 16, 32, dtype=torch.int8)  # blocks_per_chunk 1
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(device[t], 32) for t in range(2)],
+        [[ptrres.CanonicalKVCacheRef(0, 32), ptrres.CanonicalKVCacheRef(1, 32)]],
+    )
+    host_tensors = [host[t] for t in range(2)]
+    spec = ptrres.GPULoadStoreSpec(np.array(ids), [len(ids)], [0])
+    chunk_ids = np.array(ids)  # runs hold on both sides
+    unmerged = reference.plan_transfer(
+        spec, kv, host_tensors, 1, chunk_ids, store=store
+    )
+    expected = reference.coalesce(
+        unmerged.src, unmerged.dst, unmerged.sizes, max_run_bytes=cap
+    )
+    plan = ptrres.PointerTable(kv).plan_transfer(
+        spec,
+        ptrres.OffloadedLayout(host_tensors, 1),
+        chunk_ids,
+        store=store,
+        coalesce=True,
+        max_run_bytes=cap,
+    )
+    assert_same_plan(plan, expected)
+    if cap is None or cap >= 64:
+        assert len(plan.sizes) < len(unmerged.sizes)  # something merged
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_coalesce_counts_the_bytes_of_runs_that_reach_2_to_the_64(
+    in_place: bool,
+) -> None:
+    """num_bytes is the sum of the input sizes modulo 2**64, as numpy sums
+    them, also when coalesce() writes over its input."""
+    top = 2**64 - 1
+    src = np.array([0, 2**63, 2**63 + 2**62, 5], np.uint64)
+    dst = np.array([0, 2**63, 2**63 + 2**62, 7], np.uint64)
+    sizes = np.array([2**63, 2**62, 2**62 - 1, top], np.uint64)
+    expected = reference.coalesce(src, dst, sizes)
+    out = (src, dst, sizes) if in_place else None
+    merged = ptrres.coalesce(src, dst, sizes, out=out)
+    assert_same_plan(merged, expected)
+    assert merged.sizes.tolist() == [top, top]
+    assert merged.num_bytes == (2 * top) % 2**64

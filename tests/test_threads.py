@@ -256,3 +256,23 @@ def test_threads_sharing_a_table_get_the_reference_answers() -> None:
         thread.join()
     assert failures == []
     assert done == [CALLS_PER_THREAD] * N_THREADS
+
+
+def test_plan_scratch_is_kept_per_thread_and_fits_the_ids() -> None:
+    """The plan kernel writes its scratch: each thread keeps its own, and ids
+    past the kept size get a fresh one that fits them."""
+    from ptrres._plan import KEPT_SCRATCH_COLUMNS, plan_scratch
+
+    mine = plan_scratch(10)
+    assert plan_scratch(20) is mine
+    assert mine.shape[1] > 20
+    big = plan_scratch(KEPT_SCRATCH_COLUMNS + 5)
+    assert big is not mine
+    assert big.shape[1] > KEPT_SCRATCH_COLUMNS + 5
+    assert plan_scratch(KEPT_SCRATCH_COLUMNS - 1) is mine
+    theirs: list[np.ndarray] = []
+    thread = threading.Thread(target=lambda: theirs.append(plan_scratch(10)))
+    thread.start()
+    thread.join()
+    assert theirs[0] is not mine
+    assert not np.shares_memory(theirs[0], mine)

@@ -1,7 +1,7 @@
 """Coalescing: merging descriptors that continue each other on both sides.
 
-coalesce_kernel merges a finished plan; find_runs and append_runs let
-plan_kernel merge while it fills, with exactly coalesce_kernel's result.
+coalesce_kernel merges a finished plan; find_runs, fill_runs and append_capped
+let plan_kernel merge while it fills, with exactly coalesce_kernel's result.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ from .common import (
     ZERO,
     UIntArray,
     overlaps,
+    rows_of,
 )
 
 # A descriptor or a run of them: (src or device ptr, dst or offloaded ptr, size).
 Descriptor = tuple[np.uint64, np.uint64, np.uint64]
+
+# Rows of find_runs's table of runs.
+RUN_STARTS, RUN_IDS, RUN_CHUNKS, RUN_SUBS = 0, 1, 2, 3
 
 
 @inline_helper
@@ -130,86 +134,184 @@ def block_pointers(rows: Any, blocks: Any, k: Any) -> tuple[np.uint64, np.uint64
 
 
 @inline_helper
-def find_runs(blocks: Any, rows: Any, run_starts: UIntArray) -> Any:
-    """Split a group's blocks into runs contiguous on both sides, for a ref
-    of this geometry: block k continues block k - 1 when both its device and
-    its offloaded pointer start where k - 1's page ends.
+def starts_run(before: Any, block: Any, steps: Any) -> bool:
+    """Whether a block starts a run, for a ref: whether its device or its
+    offloaded pointer does not start where the page of the block before it
+    ends. Plain values, not the arrays: a helper taking arrays costs
+    reference counting on every call.
 
-    Returns:
-        The number of runs; run r is blocks run_starts[r]:run_starts[r + 1].
+    Args:
+        before, block: (id, chunk, sub-block) of the two blocks.
+        steps: the ref's (row stride, page size, offloaded row stride,
+            sub-block bytes).
     """
-    ref_row, off_row = rows
-    row_stride, page_size = ref_row[ROW_STRIDE], ref_row[PAGE_SIZE]
-    off_row_stride, sub_bytes = off_row[OFF_ROW_STRIDE], off_row[OFF_SUB_BYTES]
-    ids, chunk_of, sub_block_of = blocks
-    n_blocks = np.uint64(ids.shape[0])
-    run_starts[0] = ZERO
-    n_runs = ONE
-    for k in range(ONE, n_blocks):
-        device_step = (np.int64(ids[k]) - np.int64(ids[k - ONE])) * row_stride
-        offloaded_step = (chunk_of[k] - chunk_of[k - ONE]) * off_row_stride + (
-            sub_block_of[k] - sub_block_of[k - ONE]
-        ) * sub_bytes
-        if device_step != page_size or offloaded_step != page_size:
-            run_starts[n_runs] = k
-            n_runs += ONE
-    run_starts[n_runs] = n_blocks
-    return n_runs
+    row_stride, page_size, off_row_stride, sub_bytes = steps
+    device_step = (np.int64(block[0]) - np.int64(before[0])) * row_stride
+    offloaded_step = (block[1] - before[1]) * off_row_stride + (
+        block[2] - before[2]
+    ) * sub_bytes
+    return bool((device_step != page_size) | (offloaded_step != page_size))
 
 
 @inline_helper
-def append_runs(
-    out: Any, written: Any, blocks: Any, runs: UIntArray, rows: Any, cap: Any
-) -> Any:
-    """Append one ref's runs of pages as coalesce_kernel would, page by page.
+def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
+    """Split a group's blocks into runs contiguous on both sides, for refs of
+    these steps (starts_run).
 
-    The first run's pages first grow the last descriptor while it ends where
-    they start and stays within the cap (max_run_bytes). Every other page goes
-    into a new descriptor holding as many pages of its run as the cap allows
-    (one when a page alone is over it): no run continues the run before it, as
-    find_runs split them there.
+    Each run's first block is stored (its id, chunk and sub-block), so that a
+    ref's runs fill as its blocks would, one descriptor per run. The loop
+    stores block k where the next run would go, and counts a run only where
+    one starts.
+
+    Args:
+        blocks: as block_pointers.
+        steps: as starts_run.
+        runs: (4, m) with m > the group's size, filled as rows RUN_STARTS
+            (run r is blocks runs[RUN_STARTS, r:r + 2]), then RUN_IDS,
+            RUN_CHUNKS and RUN_SUBS: its first block's id, chunk and
+            sub-block. One array: each array a helper takes costs reference
+            counting.
+
+    Returns:
+        (the number of runs, the blocks of the longest).
+    """
+    ids, chunk_of, sub_block_of = blocks
+    n_blocks = np.uint64(ids.shape[0])
+    runs[RUN_STARTS, 0] = 0
+    runs[RUN_IDS, 0] = ids[0]
+    runs[RUN_CHUNKS, 0] = chunk_of[0]
+    runs[RUN_SUBS, 0] = sub_block_of[0]
+    n_runs = longest = ONE
+    run_start = ZERO
+    for k in range(ONE, n_blocks):
+        runs[RUN_STARTS, n_runs] = k
+        runs[RUN_IDS, n_runs] = ids[k]
+        runs[RUN_CHUNKS, n_runs] = chunk_of[k]
+        runs[RUN_SUBS, n_runs] = sub_block_of[k]
+        before = (ids[k - ONE], chunk_of[k - ONE], sub_block_of[k - ONE])
+        block = (ids[k], chunk_of[k], sub_block_of[k])
+        starts = starts_run(before, block, steps)
+        n_runs += np.uint64(starts)
+        run_start = k if starts else run_start
+        longest = max(longest, k + ONE - run_start)
+    runs[RUN_STARTS, n_runs] = n_blocks
+    return n_runs, longest
+
+
+@inline_helper
+def fill_runs(
+    out: Any, written: Any, tables: Any, refs: Any, runs: Any, n_runs: Any, cap: Any
+) -> Any:
+    """Append the runs of pages of refs that share their steps (find_runs's),
+    one descriptor per run, as coalesce_kernel would merge their pages: for
+    runs that each fit the cap (max_run_bytes), with a loop like
+    fill_blocks's, which vectorises. All the refs in one call: a helper
+    taking arrays costs reference counting on every call.
+
+    A ref's first run may first grow the last descriptor, while it ends where
+    the run starts and stays within the cap; no other run
+    continues the run before it, as find_runs split them there.
+
+    Args:
+        out, written, cap: as append_capped.
+        tables: (ref_table, offloaded_refs).
+        refs: (first, one past the last) of the refs.
+        runs, n_runs: find_runs's.
+
+    Returns:
+        The new number of descriptors.
+    """
+    dev_out, off_out, sizes = out
+    for ref in range(refs[0], refs[1]):
+        ref_row, off_row = rows_of(tables, ref)
+        base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
+        page = np.uint64(ref_row[PAGE_SIZE])
+        off_base_ptr = off_row[OFF_BASE_PTR]
+        off_row_stride, sub_bytes = off_row[OFF_ROW_STRIDE], off_row[OFF_SUB_BYTES]
+        first_run = ZERO
+        if written > ZERO:
+            last = written - ONE
+            run_size = sizes[last]
+            dev_ptr = np.uint64(base_ptr + runs[RUN_IDS, 0] * row_stride)
+            off_ptr = np.uint64(
+                off_base_ptr
+                + runs[RUN_CHUNKS, 0] * off_row_stride
+                + runs[RUN_SUBS, 0] * sub_bytes
+            )
+            if continues(
+                (dev_out[last], off_out[last], run_size), (dev_ptr, off_ptr, page), cap
+            ):
+                n_pages = np.uint64(runs[RUN_STARTS, 1])
+                joined = n_pages
+                if page > ZERO:
+                    joined = min(n_pages, (cap - run_size) // page)
+                sizes[last] = run_size + joined * page
+                first_run = ONE
+                if joined < n_pages:  # the rest of the run: within the cap
+                    dev_out[written] = dev_ptr + joined * page
+                    off_out[written] = off_ptr + joined * page
+                    sizes[written] = (n_pages - joined) * page
+                    written += ONE
+        for run in range(first_run, n_runs):
+            op = written + run - first_run
+            dev_out[op] = base_ptr + runs[RUN_IDS, run] * row_stride
+            off_out[op] = (
+                off_base_ptr
+                + runs[RUN_CHUNKS, run] * off_row_stride
+                + runs[RUN_SUBS, run] * sub_bytes
+            )
+            n_pages = runs[RUN_STARTS, run + ONE] - runs[RUN_STARTS, run]
+            sizes[op] = np.uint64(n_pages) * page
+        written += n_runs - first_run
+    return written
+
+
+@inline_helper
+def steps_of(rows: Any) -> Any:
+    """A ref's (row stride, page size, offloaded row stride, sub-block
+    bytes): what decides where its runs break (starts_run)."""
+    ref_row, off_row = rows
+    return (
+        ref_row[ROW_STRIDE],
+        ref_row[PAGE_SIZE],
+        off_row[OFF_ROW_STRIDE],
+        off_row[OFF_SUB_BYTES],
+    )
+
+
+@inline_helper
+def append_capped(out: Any, written: Any, blocks: Any, rows: Any, cap: Any) -> Any:
+    """Append one ref's pages as coalesce_kernel would merge them, page by
+    page: for a ref whose longest run the cap (max_run_bytes) splits, where
+    fill_runs does not apply. Each page grows the last descriptor when it
+    continues it (continues()), or starts the next.
 
     Args:
         out: (device-side, offloaded-side, sizes) outputs; ``written`` of
             them are filled.
         blocks, rows: as block_pointers.
-        runs: run r is blocks runs[r]:runs[r + 1] (find_runs's run_starts).
+        cap: max_run_bytes as uint64.
 
     Returns:
         The new number of descriptors.
     """
     dev_out, off_out, sizes = out
     page = np.uint64(rows[0][PAGE_SIZE])
-    if page == ZERO:
-        pages_per_descriptor = np.uint64(blocks[0].shape[0])
-    elif page > cap:
-        pages_per_descriptor = ONE
-    else:
-        pages_per_descriptor = cap // page
-    for run in range(np.uint64(runs.shape[0]) - ONE):
-        start = runs[run]
-        n_pages = runs[run + ONE] - start
-        dev_ptr, off_ptr = block_pointers(rows, blocks, start)
-        if run == ZERO and written > ZERO:
-            last = written - ONE
-            run_size = sizes[last]
-            if continues(
-                (dev_out[last], off_out[last], run_size), (dev_ptr, off_ptr, page), cap
-            ):
-                joined = n_pages
-                if page > ZERO:
-                    joined = min(n_pages, (cap - run_size) // page)
-                sizes[last] = run_size + joined * page
-                dev_ptr += joined * page
-                off_ptr += joined * page
-                n_pages -= joined
-        while n_pages > ZERO:
-            pages = min(n_pages, pages_per_descriptor)
+    for k in range(np.uint64(blocks[0].shape[0])):
+        dev_ptr, off_ptr = block_pointers(rows, blocks, k)
+        joins = False
+        if written > ZERO:
+            last = (
+                dev_out[written - ONE],
+                off_out[written - ONE],
+                sizes[written - ONE],
+            )
+            joins = continues(last, (dev_ptr, off_ptr, page), cap)
+        if joins:
+            sizes[written - ONE] += page
+        else:
             dev_out[written] = dev_ptr
             off_out[written] = off_ptr
-            sizes[written] = pages * page
+            sizes[written] = page
             written += ONE
-            dev_ptr += pages * page
-            off_ptr += pages * page
-            n_pages -= pages
     return written

@@ -12,7 +12,12 @@ from typing import Any
 import numpy as np
 
 from .._config import inline_helper, kernel
-from .coalesce import append_runs, block_pointers, continues, find_runs
+from .coalesce import (
+    append_capped,
+    fill_runs,
+    find_runs,
+    steps_of,
+)
 from .common import (
     BAD_BLOCK_ID,
     BAD_OFFLOADED_ID,
@@ -73,8 +78,9 @@ def plan_kernel(
         merge: coalesce descriptors that continue each other (SPEC 6), with
             exactly the result of coalesce_kernel on the unmerged plan.
         max_run_bytes: the largest merged descriptor (>= 1), or NO_CAP.
-        scratch: (3, m) with m > the largest group size: room for the chunk
-            and sub-block of each block of a group, and its runs.
+        scratch: (6, m) with m > the largest group size: room for the chunk
+            and sub-block of each block of a group, and for its runs
+            (coalesce.find_runs).
         src, dst, sizes: outputs, at least as long as the number of ops.
 
     Returns:
@@ -104,7 +110,7 @@ def plan_kernel(
     # the same condition in either direction.
     out = (src, dst, sizes) if store else (dst, src, sizes)
     chunk_of, sub_block_of = scratch[0], scratch[1]
-    run_starts = scratch[2].view(np.uint64)
+    runs = scratch[2:]
     group_sizes, block_indices = groups[0], groups[1]
     written = ZERO
     first_id = first_chunk = ZERO
@@ -112,22 +118,29 @@ def plan_kernel(
         n_blocks = np.uint64(group_sizes[group])
         if n_blocks == ZERO:
             continue
+        skip, n_chunks = group_chunks(n_blocks, block_indices[group], bpc)
         ids = block_ids[first_id : first_id + n_blocks]
-        first_id += n_blocks
-        skip = np.uint64(block_indices[group]) % bpc
-        n_chunks = chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE  # last's, + 1
         chunks = offloaded_ids[first_chunk : first_chunk + n_chunks]
+        first_id += n_blocks
         first_chunk += n_chunks
         blocks = (ids, chunk_of, sub_block_of)  # not sliced: views cost
         map_chunks(chunks, skip, bpc, blocks)
         refs = (group_ref_start[group], group_ref_start[group + 1])
         if merge:
-            written = fill_merged(out, written, tables, refs, blocks, run_starts, cap)
+            written = fill_merged(out, written, tables, refs, blocks, runs, cap)
         else:
             for ref in range(refs[0], refs[1]):
                 rows = rows_of(tables, ref)
                 written = fill_blocks(out, written, blocks, rows, ZERO)
     return np.int64(written)
+
+
+@inline_helper
+def group_chunks(n_blocks: np.uint64, block_index: Any, bpc: np.uint64) -> Any:
+    """(skip, n_chunks) of a non-empty group: the sub-block of its first
+    chunk that its first block goes to, and the chunks it spans."""
+    skip = np.uint64(block_index) % bpc
+    return skip, chunk_slot(n_blocks - ONE, skip, bpc)[0] + ONE  # last's, + 1
 
 
 @inline_helper
@@ -210,7 +223,7 @@ def fill_blocks(
     one ref: branch-free, so that the loop vectorises.
 
     Args:
-        out, written, blocks, rows: as coalesce.append_runs.
+        out, written, blocks, rows: as coalesce.append_capped.
 
     Returns:
         The new number of descriptors.
@@ -242,7 +255,7 @@ def fill_merged(
     tables: Any,
     refs: Any,
     blocks: Any,
-    run_starts: UIntArray,
+    runs: Any,
     cap: np.uint64,
 ) -> Any:
     """Append a group's descriptors, ref by ref, merged as coalesce_kernel
@@ -251,42 +264,32 @@ def fill_merged(
     Args:
         tables: (ref_table, offloaded_refs).
         refs: the group's rows of them, (first, one past the last).
-        run_starts: room for find_runs.
-        out, written, blocks, cap: as coalesce.append_runs.
+        runs: room for find_runs.
+        out, written, blocks, cap: as coalesce.append_capped.
 
     Returns:
         The new number of descriptors.
     """
-    dev_out, off_out, sizes = out
-    # Refs of one group usually share their geometry, and with it their runs:
-    # find them once per group and geometry.
+    # Refs of one group usually share their steps, and with them their runs:
+    # find them once per group and steps.
     runs_of = (-1, -1, -1, -1)
-    n_runs = ZERO
-    for ref in range(refs[0], refs[1]):
+    n_runs = longest = ZERO
+    ref, end = refs
+    while ref < end:
         rows = rows_of(tables, ref)
-        geometry = (
-            rows[0][ROW_STRIDE],
-            rows[0][PAGE_SIZE],
-            rows[1][OFF_ROW_STRIDE],
-            rows[1][OFF_SUB_BYTES],
-        )
-        if geometry != runs_of:
-            runs_of = geometry
-            n_runs = find_runs(blocks, rows, run_starts)
-        if n_runs < np.uint64(blocks[0].shape[0]):
-            runs = run_starts[: n_runs + ONE]
-            written = append_runs(out, written, blocks, runs, rows, cap)
-            continue
-        # No two blocks of this ref continue each other: only the first may
-        # continue the last descriptor (of another ref).
-        first_k = ZERO
+        steps = steps_of(rows)
+        if steps != runs_of:
+            runs_of = steps
+            n_runs, longest = find_runs(blocks, steps, runs)
         page = np.uint64(rows[0][PAGE_SIZE])
-        if written > ZERO:
-            last = written - ONE
-            dev_ptr, off_ptr = block_pointers(rows, blocks, ZERO)
-            run = (dev_out[last], off_out[last], sizes[last])
-            if continues(run, (dev_ptr, off_ptr, page), cap):
-                sizes[last] += page
-                first_k = ONE
-        written = fill_blocks(out, written, blocks, rows, first_k)
+        if page == ZERO or longest <= cap // page:
+            # This ref and the next ones of the same steps, in one call.
+            same = ref + 1
+            while same < end and steps_of(rows_of(tables, same)) == steps:
+                same += 1
+            written = fill_runs(out, written, tables, (ref, same), runs, n_runs, cap)
+            ref = same
+        else:  # runs the cap splits
+            written = append_capped(out, written, blocks, rows, cap)
+            ref += 1
     return written

@@ -1,0 +1,184 @@
+"""What coalescing costs: coalesced plans against plain ones, coalesce() against a fill.
+
+Issue-14 targets, every figure a ratio of medians of interleaved rounds timed in
+one process:
+- ``plan_transfer(coalesce=True)`` within 1.2x of ``plan_transfer()`` (store
+  plans, bpc 4, into out= buffers) for every layout, kind of block ids and size;
+- the standalone ``coalesce()`` within 1.5x of a numpy fill of its output, at
+  4096 blocks on every bench preset.
+
+Run: python benchmarks/coalesce_cost.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+import ptrres
+from ptrres.bench import PRESETS, Preset, compare, make_offloaded_ids, make_spec
+
+LAYOUTS = ["llama-3.1-8b", "llama-3.1-70b-tp4", "hybrid-4x12"]
+SIZES = [16, 256, 4096]
+BLOCKS_PER_CHUNK = 4
+NUM_BLOCKS = 32768
+PLAN_TARGET = 1.2
+FILL_TARGET = 1.5
+
+
+def random_ids(n: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
+    """Distinct ids in random order, the first two adjacent.
+
+    One pair that continues is enough to make a group worth merging: the
+    costliest case for a merge that is paid per group.
+    """
+    ids = rng.choice(NUM_BLOCKS - 1, size=n, replace=False).astype(np.int64)
+    if n > 1 and ids[0] + 1 not in ids:
+        ids[1] = ids[0] + 1
+    return ids
+
+
+def short_runs(n: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
+    """Runs of 1-8 consecutive ids from random places: a churned free list."""
+    ids: list[int] = []
+    while len(ids) < n:
+        run = min(int(rng.integers(1, 9)), n - len(ids))
+        start = int(rng.integers(0, NUM_BLOCKS - run))
+        ids.extend(range(start, start + run))
+    return np.array(ids, np.int64)
+
+
+def consecutive(n: int, rng: np.random.Generator) -> npt.NDArray[np.int64]:
+    """One run of consecutive ids: a fresh pool."""
+    start = int(rng.integers(0, NUM_BLOCKS - n))
+    return np.arange(start, start + n, dtype=np.int64)
+
+
+ID_KINDS: dict[str, Callable[[int, np.random.Generator], npt.NDArray[np.int64]]] = {
+    "random": random_ids,
+    "runs of 1-8": short_runs,
+    "consecutive": consecutive,
+}
+
+
+def spec_for(
+    preset: Preset, n: int, kind: str, seed: int = 0
+) -> ptrres.GPULoadStoreSpec:
+    rng = np.random.default_rng(seed)
+    groups = [ID_KINDS[kind](n, rng) for _ in range(preset.num_groups)]
+    return ptrres.GPULoadStoreSpec(
+        np.concatenate(groups), [n] * preset.num_groups, [0] * preset.num_groups
+    )
+
+
+def plan_cost(name: str, n: int, kind: str, seconds: float) -> tuple[float, float, int]:
+    """(plain seconds, coalesced seconds, descriptors after merging)."""
+    preset = PRESETS[name]
+    table = ptrres.PointerTable(preset.kv_caches(NUM_BLOCKS))
+    offloaded = ptrres.OffloadedLayout(
+        preset.offloaded_tensors(BLOCKS_PER_CHUNK), BLOCKS_PER_CHUNK
+    )
+    spec = spec_for(preset, n, kind)
+    chunk_ids = make_offloaded_ids(spec, BLOCKS_PER_CHUNK)
+    n_ops = n * preset.num_refs
+    out = tuple(np.empty(n_ops, np.int64) for _ in range(3))
+    timings = compare(
+        {
+            "plan": lambda: table.plan_transfer(
+                spec, offloaded, chunk_ids, store=True, out=out
+            ),
+            "coalesced": lambda: table.plan_transfer(
+                spec, offloaded, chunk_ids, store=True, out=out, coalesce=True
+            ),
+        },
+        seconds=seconds,
+    )
+    merged = table.plan_transfer(spec, offloaded, chunk_ids, store=True, coalesce=True)
+    return timings["plan"].seconds, timings["coalesced"].seconds, len(merged.sizes)
+
+
+def fill_cost(name: str, n: int, seconds: float) -> tuple[float, float, int]:
+    """(coalesce() seconds, numpy fill seconds, descriptors after merging).
+
+    The fill is that of ``ptrres bench``: 1 into every entry of the three out=
+    buffers, which are as long as the input (the most coalesce() may write).
+    """
+    preset = PRESETS[name]
+    table = ptrres.PointerTable(preset.kv_caches(NUM_BLOCKS))
+    offloaded = ptrres.OffloadedLayout(
+        preset.offloaded_tensors(BLOCKS_PER_CHUNK), BLOCKS_PER_CHUNK
+    )
+    spec = make_spec(preset, n)
+    plan = table.plan_transfer(
+        spec, offloaded, make_offloaded_ids(spec, BLOCKS_PER_CHUNK), store=True
+    )
+    n_ops = len(plan.sizes)
+    out = tuple(np.empty(n_ops, np.uint64) for _ in range(3))
+    written = len(ptrres.coalesce(plan.src, plan.dst, plan.sizes).sizes)
+
+    def numpy_fill() -> None:
+        for buffer in out:
+            buffer.fill(1)
+
+    timings = compare(
+        {
+            "coalesce": lambda: ptrres.coalesce(
+                plan.src, plan.dst, plan.sizes, out=out
+            ),
+            "fill": numpy_fill,
+        },
+        seconds=seconds,
+    )
+    return timings["coalesce"].seconds, timings["fill"].seconds, written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter timings")
+    args = parser.parse_args()
+    seconds = 0.1 if args.quick else 0.4
+    ptrres.warmup()
+
+    print(
+        f"store plans, bpc {BLOCKS_PER_CHUNK}, out= buffers (target <= {PLAN_TARGET}x)"
+    )
+    print(
+        "| layout | block ids | blocks | descriptors | merged | plan | + coalesce |"
+        "\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    worst = 0.0
+    for name in LAYOUTS:
+        for kind in ID_KINDS:
+            for n in SIZES:
+                plain, merged, written = plan_cost(name, n, kind, seconds)
+                ratio = merged / plain
+                worst = max(worst, ratio)
+                print(
+                    f"| {name} | {kind} | {n} | {n * PRESETS[name].num_refs} "
+                    f"| {written} | {plain * 1e6:.1f} us "
+                    f"| {merged * 1e6:.1f} us ({ratio:.2f}x) |"
+                )
+    print(f"worst coalesced/plain: {worst:.2f}x (target {PLAN_TARGET}x)\n")
+
+    blocks = 4096
+    print(f"coalesce() at {blocks} blocks against a numpy fill of its output")
+    print("| preset | descriptors | merged | coalesce | fill | x fill |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    worst = 0.0
+    for name in PRESETS:
+        coalesce_seconds, fill_seconds, written = fill_cost(name, blocks, seconds)
+        ratio = coalesce_seconds / fill_seconds
+        worst = max(worst, ratio)
+        print(
+            f"| {name} | {blocks * PRESETS[name].num_refs} | {written} "
+            f"| {coalesce_seconds * 1e6:.0f} us | {fill_seconds * 1e6:.0f} us "
+            f"| {ratio:.2f}x |"
+        )
+    print(f"worst coalesce/fill: {worst:.2f}x (target {FILL_TARGET}x)")
+
+
+if __name__ == "__main__":
+    main()
