@@ -192,33 +192,34 @@ def _shares(
 ) -> list[list[tuple[Any, str]]]:
     """Split the signatures to compile into shares of about equal cost.
 
-    A signature's cost is taken as the bytecode of its kernel's module (the
-    kernel and the helpers beside it, which compile into it) over the
-    signatures of that module: largest first, each to the cheapest share.
+    A signature's cost is taken as the bytecode compiled into it: its kernel's
+    and that of every helper it calls, directly or not. Largest first, each
+    goes to the cheapest share; the costliest share comes first, for this
+    process, since a worker also pays for starting an interpreter.
     """
-    cost = {}
-    for dispatcher, _ in missing:
-        module = sys.modules[dispatcher.py_func.__module__]
-        functions = [
-            getattr(value, "py_func", value)
-            for value in vars(module).values()
-            if getattr(getattr(value, "py_func", value), "__module__", None)
-            == module.__name__
-        ]
-        size = sum(len(f.__code__.co_code) for f in functions if hasattr(f, "__code__"))
-        n_signatures = sum(
-            len(sigs) for d, sigs in KERNELS if d.py_func.__module__ == module.__name__
-        )
-        cost[id(dispatcher)] = size / max(n_signatures, 1)
     shares: list[list[tuple[Any, str]]] = [
         [] for _ in range(min(processes, len(missing)))
     ]
-    totals = [0.0] * len(shares)
-    for dispatcher, signature in sorted(missing, key=lambda item: -cost[id(item[0])]):
+    totals = [0] * len(shares)
+    costs = {id(d): _bytecode(d.py_func, set()) for d, _ in missing}
+    for dispatcher, signature in sorted(missing, key=lambda m: -costs[id(m[0])]):
         cheapest = totals.index(min(totals))
         shares[cheapest].append((dispatcher, signature))
-        totals[cheapest] += cost[id(dispatcher)]
-    return shares
+        totals[cheapest] += costs[id(dispatcher)]
+    return [share for _, share in sorted(zip(totals, shares), key=lambda t: -t[0])]
+
+
+def _bytecode(function: Any, seen: set[int]) -> int:
+    """Bytes of bytecode of a function and of the jitted helpers it calls."""
+    if id(function) in seen:
+        return 0
+    seen.add(id(function))
+    size = len(function.__code__.co_code)
+    for name in function.__code__.co_names:
+        helper = getattr(function.__globals__.get(name), "py_func", None)
+        if helper is not None:
+            size += _bytecode(helper, seen)
+    return size
 
 
 def _cached(dispatcher: Any, signature: str) -> bool:
