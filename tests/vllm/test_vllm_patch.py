@@ -294,10 +294,16 @@ def test_the_entry_point_is_declared() -> None:
 
 def test_vllm_finds_the_installed_entry_point() -> None:
     """Where ptrres is installed (as in CI), vLLM's loader finds register()."""
-    try:
-        dist = importlib.metadata.distribution("ptrres")
-    except importlib.metadata.PackageNotFoundError:
+    # The installed distribution: the one pip recorded (an editable install
+    # also leaves ptrres.egg-info in the checkout, which pip did not record).
+    installed = [
+        dist
+        for dist in importlib.metadata.distributions(name="ptrres")
+        if dist.read_text("direct_url.json")
+    ]
+    if not installed:
         pytest.skip("ptrres is not installed (the pyproject test covers this)")
+    dist = installed[0]
     if f"file://{ROOT}" not in (dist.read_text("direct_url.json") or ""):
         pytest.skip("the installed ptrres is another checkout's (as in dev venvs)")
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
