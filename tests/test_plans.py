@@ -821,3 +821,40 @@ def test_coalesce_counts_the_bytes_of_runs_that_reach_2_to_the_64(
     assert_same_plan(merged, expected)
     assert merged.sizes.tolist() == [top, top]
     assert merged.num_bytes == (2 * top) % 2**64
+
+
+def test_a_padded_ref_merges_only_its_first_page_into_the_last_ref() -> None:
+    """Pages shorter than their rows never continue each other, but a ref's
+    first page may still continue the previous ref's last descriptor.
+
+    Tensors carved from one buffer so that tensor 1's row 0 starts where
+    tensor 0's page of row 0 ends, on both sides.
+    """
+    device = torch.zeros(16 + 8 * 32, dtype=torch.int8)
+    host = torch.zeros(16 + 2 * 16, dtype=torch.int8)
+    tensors = [device[:256].view(8, 32), device[16:].view(8, 32)]
+    host_tensors = [host[:32].view(2, 16), host[16:].view(2, 16)]
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(t, 32) for t in tensors],
+        [[ptrres.CanonicalKVCacheRef(0, 16), ptrres.CanonicalKVCacheRef(1, 16)]],
+    )
+    table = ptrres.PointerTable(kv)
+    offloaded = ptrres.OffloadedLayout(host_tensors, 1)
+    for ids, expected_sizes in (([0], [32]), ([0, 3], [16, 16, 16, 16])):
+        spec = ptrres.GPULoadStoreSpec(np.array(ids), [len(ids)], [0])
+        chunks = list(range(len(ids)))
+        for store in (True, False):
+            unmerged = reference.plan_transfer(
+                spec, kv, host_tensors, 1, chunks, store=store
+            )
+            for cap in (None, 16):
+                plan = table.plan_transfer(
+                    spec, offloaded, chunks, store=store, coalesce=True,
+                    max_run_bytes=cap,
+                )  # fmt: skip
+                merged = reference.coalesce(
+                    unmerged.src, unmerged.dst, unmerged.sizes, max_run_bytes=cap
+                )
+                assert_same_plan(plan, merged)
+                if cap is None:
+                    assert plan.sizes.tolist() == expected_sizes

@@ -14,6 +14,8 @@ import numpy as np
 from .._config import inline_helper, kernel
 from .coalesce import (
     append_capped,
+    block_pointers,
+    continues,
     fill_runs,
     find_runs,
     steps_of,
@@ -277,11 +279,19 @@ def fill_merged(
     ref, end = refs
     while ref < end:
         rows = rows_of(tables, ref)
+        page = np.uint64(rows[0][PAGE_SIZE])
+        if unmergeable(rows):
+            # This ref and the next unmergeable ones, in one call.
+            same = ref + 1
+            while same < end and unmergeable(rows_of(tables, same)):
+                same += 1
+            written = fill_unmergeable(out, written, tables, blocks, (ref, same), cap)
+            ref = same
+            continue
         steps = steps_of(rows)
         if steps != runs_of:
             runs_of = steps
             n_runs, longest = find_runs(blocks, steps, runs)
-        page = np.uint64(rows[0][PAGE_SIZE])
         if page == ZERO or longest <= cap // page:
             # This ref and the next ones of the same steps, in one call.
             same = ref + 1
@@ -292,4 +302,65 @@ def fill_merged(
         else:  # runs the cap splits
             written = append_capped(out, written, blocks, rows, cap)
             ref += 1
+    return written
+
+
+@inline_helper
+def unmergeable(rows: Any) -> bool:
+    """Whether no page of a ref can continue another on the device side: its
+    page is not a whole number of rows (pages shorter than their rows, as in
+    hybrid layouts' smaller groups), and device steps are whole rows."""
+    page, row_stride = rows[0][PAGE_SIZE], rows[0][ROW_STRIDE]
+    return bool((page != 0) & (row_stride > 0) & (page % max(row_stride, 1) != 0))
+
+
+@inline_helper
+def fill_unmergeable(
+    out: Any, written: np.uint64, tables: Any, blocks: Any, refs: Any, cap: Any
+) -> Any:
+    """Append the pages of unmergeable refs, one descriptor each, as
+    coalesce_kernel would merge them: only a ref's first page may grow the
+    last descriptor. All the refs in one call, the fill written out as in
+    fill_blocks: a helper taking arrays costs reference counting per call.
+
+    Args:
+        out, written, blocks, cap: as coalesce.append_capped.
+        tables: (ref_table, offloaded_refs).
+        refs: (first, one past the last) of the refs.
+
+    Returns:
+        The new number of descriptors.
+    """
+    dev_out, off_out, sizes = out
+    ids, chunk_of, sub_block_of = blocks
+    n_blocks = np.uint64(ids.shape[0])
+    for ref in range(refs[0], refs[1]):
+        rows = rows_of(tables, ref)
+        ref_row, off_row = rows
+        base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
+        page_size = ref_row[PAGE_SIZE]
+        off_base_ptr, off_row_stride = off_row[OFF_BASE_PTR], off_row[OFF_ROW_STRIDE]
+        sub_bytes = off_row[OFF_SUB_BYTES]
+        first_k = ZERO
+        if written > ZERO:
+            last = written - ONE
+            dev_ptr, off_ptr = block_pointers(rows, blocks, ZERO)
+            page = np.uint64(page_size)
+            if continues(
+                (dev_out[last], off_out[last], sizes[last]),
+                (dev_ptr, off_ptr, page),
+                cap,
+            ):
+                sizes[last] += page
+                first_k = ONE
+        for k in range(first_k, n_blocks):
+            op = written + k - first_k
+            dev_out[op] = base_ptr + np.int64(ids[k]) * row_stride
+            off_out[op] = (
+                off_base_ptr
+                + chunk_of[k] * off_row_stride
+                + sub_block_of[k] * sub_bytes
+            )
+            sizes[op] = page_size
+        written += n_blocks - first_k
     return written
