@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from test_vllm_handler import assert_same, transfer
 from vllm_harness import (
     CopyEngine,
-    chunks_of,
+    draw_ids,
     fake_cuda,
     padded_rows,
     specs,
@@ -128,24 +128,10 @@ def canonical_transfers(draw: st.DrawFn) -> dict[str, Any]:
         [base.CanonicalKVCacheRef(t, m.local_page_size_bytes, m) for t, m in group]
         for group in groups
     ]
-    group_sizes = [draw(st.integers(0, 6)) for _ in range(num_groups)]
-    block_indices = [draw(st.integers(0, 20)) for _ in range(num_groups)]
-    block_ids = draw(
-        st.lists(
-            st.integers(0, num_blocks - 1),
-            min_size=sum(group_sizes),
-            max_size=sum(group_sizes),
-        )
-    )
-    n_chunks = chunks_of(group_sizes, block_indices, bpc)
-    cpu_ids = draw(
-        st.lists(
-            st.integers(0, num_cpu_chunks - 1), min_size=n_chunks, max_size=n_chunks
-        )
-    )
+    ids = draw_ids(draw, num_groups, num_blocks, num_cpu_chunks, bpc)
     return {
         "tensors": (gpu, cpu, refs, bpc),
-        "ids": (block_ids, group_sizes, block_indices, cpu_ids),
+        "ids": ids,
         "dtype": draw(st.sampled_from([np.int32, np.int64])),
     }
 

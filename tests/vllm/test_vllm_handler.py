@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_harness import (
     CopyEngine,
-    chunks_of,
+    draw_ids,
     make_layout,
     specs,
     stubbed_vllm,
@@ -80,26 +80,12 @@ def direct_transfers(draw: st.DrawFn) -> dict[str, Any]:
         refs.append(group)
     num_cpu_chunks = draw(st.integers(1, 10))
     num_blocks = min(n for n, _, _ in gpu_rows)
-    group_sizes = [draw(st.integers(0, 6)) for _ in range(num_groups)]
-    block_indices = [draw(st.integers(0, 20)) for _ in range(num_groups)]
-    block_ids = draw(
-        st.lists(
-            st.integers(0, num_blocks - 1),
-            min_size=sum(group_sizes),
-            max_size=sum(group_sizes),
-        )
-    )
-    n_chunks = chunks_of(group_sizes, block_indices, bpc)
-    cpu_ids = draw(
-        st.lists(
-            st.integers(0, num_cpu_chunks - 1), min_size=n_chunks, max_size=n_chunks
-        )
-    )
+    ids = draw_ids(draw, num_groups, num_blocks, num_cpu_chunks, bpc)
     return {
         "layout": make_layout(
             gpu_rows, refs, bpc, num_cpu_chunks, cpu_pad=draw(st.integers(0, 16))
         ),
-        "ids": (block_ids, group_sizes, block_indices, cpu_ids),
+        "ids": ids,
         "dtype": draw(st.sampled_from([np.int32, np.int64])),
     }
 

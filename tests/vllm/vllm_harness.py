@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import strategies as st
 
 # Not `import vllm`: without vLLM that finds tests/vllm as a namespace package.
 worker = pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker")
@@ -201,6 +202,26 @@ def chunks_of(
         for n, index in zip(group_sizes, block_indices)
         if n
     )
+
+
+def draw_ids(
+    draw: Any, num_groups: int, num_blocks: int, num_cpu_chunks: int, bpc: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A transfer's ids, drawn: (block ids, group sizes, block indices, CPU
+    chunk ids), as many chunk ids as the groups take."""
+    group_sizes = [draw(st.integers(0, 6)) for _ in range(num_groups)]
+    block_indices = [draw(st.integers(0, 20)) for _ in range(num_groups)]
+    n_ids = sum(group_sizes)
+    block_ids = draw(
+        st.lists(st.integers(0, num_blocks - 1), min_size=n_ids, max_size=n_ids)
+    )
+    n_chunks = chunks_of(group_sizes, block_indices, bpc)
+    cpu_ids = draw(
+        st.lists(
+            st.integers(0, num_cpu_chunks - 1), min_size=n_chunks, max_size=n_chunks
+        )
+    )
+    return block_ids, group_sizes, block_indices, cpu_ids
 
 
 def specs(
