@@ -26,7 +26,7 @@ from ._args import (
     missing_attributes,
     out_arrays,
 )
-from ._diagnose import overlap_error, plan_error
+from ._diagnose import failed_plan_error, overlap_error
 from ._errors import InputTypeError, LayoutError
 from ._geometry import RefRow, tensor_geometry
 from ._kernels import canonical as ck
@@ -330,9 +330,10 @@ def plan(
     if written < 0:
         if written == _kernels.OVERLAPPING_BUFFERS:
             raise overlap_error("out's src, dst and sizes, and the ids")
-        raise _id_error(
-            table, (src, dst, sizes), block_ids, counts, chunk_ids, offloaded
-        )
+        raise failed_plan_error(
+            (src, dst, sizes), table._groups, block_ids, counts.group_sizes,
+            counts.block_indices, chunk_ids, offloaded,
+        )  # fmt: skip
     if coalesce and written:
         src, dst, sizes = src[:written], dst[:written], sizes[:written]
         written = _kernels.coalesce_kernel(src, dst, sizes, max_run, src, dst, sizes)
@@ -370,7 +371,10 @@ def plan_strided(
     if written < 0:
         if written == _kernels.OVERLAPPING_BUFFERS:
             raise overlap_error("out's six buffers, and the ids")
-        raise _id_error(table, outputs, block_ids, counts, chunk_ids, offloaded)
+        raise failed_plan_error(
+            outputs, table._groups, block_ids, counts.group_sizes,
+            counts.block_indices, chunk_ids, offloaded,
+        )  # fmt: skip
     src, dst, width, height, src_pitch, dst_pitch = (o[:written] for o in outputs)
     return StridedTransferPlan(src, dst, width, height, src_pitch, dst_pitch, num_bytes)
 
@@ -422,20 +426,3 @@ def _fill(
         totals,
     )
     return int(written), int(totals[0]), block_ids, chunk_ids
-
-
-def _id_error(
-    table: PointerTable,
-    outputs: tuple[npt.NDArray[np.uint64], ...],
-    block_ids: npt.NDArray[np.int64],
-    counts: GroupCounts,
-    chunk_ids: npt.NDArray[np.int64],
-    offloaded: OffloadedLayout,
-) -> Exception:
-    """Zero the outputs; the error of the direct plan for the same ids."""
-    for output in outputs:
-        output[:] = 0
-    return plan_error(
-        table._groups, block_ids, counts.group_sizes, counts.block_indices,
-        chunk_ids, offloaded,
-    )  # fmt: skip

@@ -112,6 +112,24 @@ def chunk_count_error(
     )
 
 
+def failed_plan_error(
+    outputs: tuple[npt.NDArray[np.uint64], ...],
+    groups: Groups,
+    block_ids: npt.NDArray[Any],
+    group_sizes: tuple[int, ...],
+    block_indices: tuple[int, ...],
+    chunk_ids: npt.NDArray[np.int64],
+    offloaded: OffloadedLayout,
+) -> BlockIdError | OffloadedIdError:
+    """Zero what a failed plan wrote into its outputs (it is never returned),
+    and return plan_error()'s error for its ids."""
+    for output in outputs:
+        output[:] = 0
+    return plan_error(
+        groups, block_ids, group_sizes, block_indices, chunk_ids, offloaded
+    )
+
+
 def plan_error(
     groups: Groups,
     block_ids: npt.NDArray[Any],

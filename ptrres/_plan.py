@@ -26,7 +26,12 @@ from ._args import (
     max_run_arg,
     out_arrays,
 )
-from ._diagnose import chunk_count_error, overlap_error, plan_error, pointer_error
+from ._diagnose import (
+    chunk_count_error,
+    failed_plan_error,
+    overlap_error,
+    pointer_error,
+)
 from ._errors import InputTypeError, SpecError
 from ._offloaded import OffloadedLayout
 from ._results import TransferPlan
@@ -119,12 +124,10 @@ def run_plan(
     if written < 0:
         if written == _kernels.OVERLAPPING_BUFFERS:
             raise overlap_error("out's src, dst and sizes, and the ids")
-        src[:] = 0
-        dst[:] = 0
-        sizes[:] = 0
-        raise plan_error(
-            table._groups, block_ids, group_sizes, block_indices, chunk_ids, offloaded
-        )
+        raise failed_plan_error(
+            (src, dst, sizes), table._groups, block_ids, group_sizes,
+            block_indices, chunk_ids, offloaded,
+        )  # fmt: skip
     if written < n_ops:
         src, dst, sizes = src[:written], dst[:written], sizes[:written]
     return TransferPlan(src, dst, sizes, num_bytes)
