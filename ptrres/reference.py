@@ -599,8 +599,8 @@ def plan_file_ops(
     bpc = int(blocks_per_chunk)
     if bpc >= 2**63:
         raise SpecError(f"blocks_per_chunk must be < 2**63, got {bpc}")
-    ptrs = _op_array(device_ptrs.ptrs, "device_ptrs.ptrs")
-    sizes = _op_array(device_ptrs.sizes, "device_ptrs.sizes")
+    ptrs = _descriptors(device_ptrs.ptrs, "device_ptrs.ptrs")
+    sizes = _descriptors(device_ptrs.sizes, "device_ptrs.sizes")
     n_ops = sum(info.group_size * info.n_data_refs for info in groups)
     if not len(ptrs) == len(sizes) == n_ops:
         raise SpecError(
@@ -655,17 +655,6 @@ def plan_file_ops(
         file_bytes=np.array(file_bytes, dtype=np.int64),
         num_bytes=int(sum(int(size) for size in sizes)),
     )
-
-
-def _op_array(values: Any, what: str) -> npt.NDArray[np.uint64]:
-    """A DevicePointers array (1-D int64 or uint64) as uint64."""
-    if not isinstance(values, np.ndarray):
-        raise InputTypeError(f"{what} must be a numpy array, got {type(values)}")
-    if values.dtype not in (np.dtype(np.int64), np.dtype(np.uint64)):
-        raise InputTypeError(f"{what} must be int64 or uint64, got {values.dtype}")
-    if values.ndim != 1:
-        raise InputTypeError(f"{what} must be 1-D, got shape {values.shape}")
-    return values.view(np.uint64)
 
 
 def _merged(ops: list[tuple[int, int, int]], cap: int) -> list[tuple[int, int, int]]:
@@ -744,17 +733,13 @@ def _concatenated(plans: list[tuple[Any, ...]], column: int) -> npt.NDArray[np.u
     return np.concatenate(parts).astype(np.uint64) if parts else np.zeros(0, np.uint64)
 
 
-def _tensor_rows(tensor: Any) -> tuple[int, int, int, int]:
-    """(base pointer, row stride in bytes, bytes of a row, rows) of a tensor."""
-    tensor = getattr(tensor, "tensor", tensor)
-    if isinstance(tensor, np.ndarray):
-        base, stride = tensor.__array_interface__["data"][0], tensor.strides[0]
-        element_size = tensor.itemsize
-    else:
-        base, element_size = tensor.data_ptr(), tensor.element_size()
-        stride = tensor.stride(0) * element_size
-    shape = tuple(tensor.shape)
-    return base, stride, int(np.prod(shape[1:])) * element_size, shape[0]
+def _tensor_rows(tensor: Any, what: str) -> tuple[int, int, int, int]:
+    """(base pointer, row stride in bytes, bytes of a row, rows) of a tensor,
+    or of an object holding one as ``.tensor``, read and checked by _tensor."""
+    base_ptr, row_stride, rows, row_bytes = _tensor(
+        getattr(tensor, "tensor", tensor), what
+    )
+    return base_ptr, row_stride, row_bytes, rows
 
 
 def _mapping_items(
@@ -821,8 +806,13 @@ def _canonical_plans(
     if type(store) is not bool:
         raise InputTypeError(f"store must be True or False, got {store!r}")
     bpc = int(blocks_per_chunk)
-    device = [_tensor_rows(t) for t in kv_caches.tensors]
-    offloaded = [_tensor_rows(t) for t in offloaded_tensors]
+    device = [
+        _tensor_rows(t, f"tensors[{i}].tensor") for i, t in enumerate(kv_caches.tensors)
+    ]
+    offloaded = [
+        _tensor_rows(t, f"offloaded_tensors[{i}]")
+        for i, t in enumerate(offloaded_tensors)
+    ]
     block_ids = np.asarray(device_spec.block_ids).astype(np.int64)
     chunk_ids = np.asarray(offloaded_ids).astype(np.int64)
     group_sizes = [int(n) for n in device_spec.group_sizes]
