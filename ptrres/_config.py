@@ -93,3 +93,18 @@ def _jit(function: F) -> F:
             )
     uncached = numba.njit(**dict(JIT_OPTIONS, cache=False))
     return uncached(function)  # type: ignore[no-any-return]
+
+
+def _trailing_zeros(value: Any) -> Any:
+    """The zero bits below the lowest set bit of a non-zero uint64."""
+    value = int(value)
+    return (value & -value).bit_length() - 1
+
+
+# Numba's count-trailing-zeros (one instruction) for kernels: an intrinsic,
+# which only compiled code can call, so plain Python gets the fallback above.
+trailing_zeros: Any = _trailing_zeros
+if not numba.config.DISABLE_JIT:  # type: ignore[attr-defined]
+    from numba.cpython.unsafe import numbers as _numbers
+
+    trailing_zeros = _numbers.trailing_zeros

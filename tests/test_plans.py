@@ -329,6 +329,49 @@ def test_coalesce_keeps_the_byte_mapping_and_the_cap(
         assert len(again.sizes) == len(merged.sizes)
 
 
+@st.composite
+def long_descriptor_lists(draw: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Hundreds of descriptors: stretches that merge whole, stretches where
+    nothing merges, runs across coalesce's 64-descriptor spans, and now and
+    then a run that ends at 2**64, or one that would span 2**64 bytes."""
+    src: list[int] = []
+    dst: list[int] = []
+    sizes: list[int] = []
+    s, d = draw(st.integers(0, 2**40)), draw(st.integers(0, 2**40))
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["run", "singles", "wrap", "halves"]))
+        length = draw(st.sampled_from([1, 2, 7, 63, 64, 65, 130]))
+        size = draw(st.sampled_from([1, 8, 4096]))
+        if kind == "wrap":  # a run whose last descriptor ends at 2**64
+            s = 2**64 - length * size
+        if kind == "halves":  # two halves of 2**64 bytes: too many to merge
+            s, d, length, size = 0, 0, 2, 2**63
+        for k in range(length):
+            src.append(s)
+            dst.append(d)
+            sizes.append(size)
+            gap = 0 if kind != "singles" or k == length - 1 else size
+            s, d = (s + size + gap) % 2**64, (d + size + gap) % 2**64
+        s, d = draw(st.integers(0, 2**40)), d + draw(st.sampled_from([0, 0, 64]))
+    return tuple(np.array(a, np.uint64) for a in (src, dst, sizes))  # type: ignore[return-value]
+
+
+@given(
+    long_descriptor_lists(),
+    st.sampled_from([None, 8, 4096, 2**20]),
+    st.booleans(),
+)
+def test_coalesce_of_long_lists_is_the_reference(
+    descs: Any, max_run_bytes: Any, in_place: bool
+) -> None:
+    """Every way coalesce() treats a span of 64 descriptors, in place or not."""
+    expected = reference.coalesce(*descs, max_run_bytes=max_run_bytes)
+    out = tuple(a.copy() for a in descs) if in_place else None
+    inputs = out if out is not None else descs
+    merged = ptrres.coalesce(*inputs, max_run_bytes=max_run_bytes, out=out)
+    assert_same_plan(merged, expected)
+
+
 def test_coalesce_in_place_and_into_out_buffers() -> None:
     src = np.array([100, 108, 116, 500], np.int64)
     dst = np.array([0, 8, 16, 24], np.int64)
