@@ -9,6 +9,8 @@ run one kernel, with no Python loop over runs or fragments.
 
 from __future__ import annotations
 
+import math
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -30,6 +32,7 @@ from ._diagnose import failed_plan_error, overlap_error
 from ._errors import InputTypeError, LayoutError
 from ._geometry import RefRow, tensor_geometry
 from ._kernels import canonical as ck
+from ._kernels.common import BASE_PTR, OFF_BASE_PTR, PAGE_SIZE
 from ._offloaded import OffloadedLayout
 from ._results import StridedTransferPlan, TransferPlan
 
@@ -90,6 +93,21 @@ class PlanTables(NamedTuple):
     # Fragments and runs one block of each group adds, over all its refs.
     group_fragments: tuple[int, ...]
     group_runs: tuple[int, ...]
+    # When every ref has exactly one fragment: the layout as a direct one,
+    # for plan_kernel (as_direct), else None.
+    direct: DirectTables | None
+
+
+class DirectTables(NamedTuple):
+    """A canonical layout of one fragment per ref, as a direct layout: each
+    ref's rows start at its fragment's offsets and its page is the fragment."""
+
+    ref_table: IntTable
+    offloaded_refs: IntTable
+    # Whether every mapping has one writer (so that stores keep every block).
+    one_writer: bool
+    # Bytes one block of each group copies, over all its refs.
+    group_bytes: tuple[int, ...]
 
 
 def read_ref_mappings(kv_caches: Any) -> tuple[RefMapping, ...]:
@@ -141,6 +159,7 @@ def _direct_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTable
     ref_items[:, ck.END_ITEM] = np.arange(1, n_refs + 1)
     ref_items[:, ck.NUM_WRITERS] = 1
     ref_items[:, ck.BLOCK_BYTES] = pages
+    ref_items[:, ck.LOAD_MAY_MERGE] = ref_items[:, ck.STORE_MAY_MERGE] = 1
     counts = table.group_data_ref_counts
     return PlanTables(
         offloaded,
@@ -151,6 +170,7 @@ def _direct_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTable
         _by_column(items),
         counts,
         counts,
+        None,  # the plan kernel takes direct layouts as they are
     )
 
 
@@ -197,10 +217,26 @@ def _canonical_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTa
                 fragments.append(run_fragments)
                 n_fragments += count
                 block_bytes += size * count
+            mergeable = [
+                may_merge(
+                    runs[first_run:], ref.row_stride_bytes, offloaded_rows[-1],
+                    writers, offloaded.blocks_per_chunk,
+                )
+                for writers in (1, n_writers)  # a load keeps every block
+            ]  # fmt: skip
             fragment_refs.append(
-                (first_fragment, n_fragments, n_writers, writer, block_bytes)
+                (
+                    first_fragment,
+                    n_fragments,
+                    n_writers,
+                    writer,
+                    block_bytes,
+                    *mergeable,
+                )
             )
-            run_refs.append((first_run, len(runs), n_writers, writer, block_bytes))
+            run_refs.append(
+                (first_run, len(runs), n_writers, writer, block_bytes, True, True)
+            )
         group_fragments.append(n_fragments - fragments_before)
         group_runs.append(len(runs) - runs_before)
     return PlanTables(
@@ -214,6 +250,95 @@ def _canonical_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTa
         _by_column(_int_table(runs, ck.ITEM_COLUMNS)),
         tuple(group_fragments),
         tuple(group_runs),
+        _as_direct(table, offloaded_rows, fragment_refs, fragments),
+    )
+
+
+def _as_direct(
+    table: PointerTable,
+    offloaded_rows: list[tuple[int, ...]],
+    fragment_refs: list[tuple[int, ...]],
+    fragments: list[IntTable],
+) -> DirectTables | None:
+    """The layout as a direct one, when every ref has exactly one fragment."""
+    if any(ref[ck.END_ITEM] - ref[ck.FIRST_ITEM] != 1 for ref in fragment_refs):
+        return None
+    items = np.concatenate(fragments) if fragments else _int_table([], ck.ITEM_COLUMNS)
+    ref_table = table.ref_table.copy()
+    ref_table[:, BASE_PTR] += items[:, ck.LOCAL_OFFSET]
+    ref_table[:, PAGE_SIZE] = items[:, ck.WIDTH]
+    offloaded_refs = _int_table(offloaded_rows, _kernels.OFF_COLUMNS)
+    offloaded_refs[:, OFF_BASE_PTR] += items[:, ck.CANONICAL_OFFSET]
+    starts = table.group_ref_start
+    return DirectTables(
+        ref_table,
+        offloaded_refs,
+        all(ref[ck.NUM_WRITERS] == 1 for ref in fragment_refs),
+        tuple(
+            int(items[starts[g] : starts[g + 1], ck.WIDTH].sum())
+            for g in range(len(starts) - 1)
+        ),
+    )
+
+
+def as_direct(
+    table: PointerTable, offloaded: OffloadedLayout, store: bool
+) -> DirectTables | None:
+    """The direct tables a coalesced flat plan of a canonical layout runs on:
+    plan_kernel merges while it fills, where the canonical kernel merges what
+    it wrote (a copy's worth once one pair merges). None where the layout
+    has refs of several fragments, or for stores that keep a writer's blocks."""
+    direct = plan_tables(table, offloaded).direct
+    if direct is None or (store and not direct.one_writer):
+        return None
+    return direct
+
+
+def may_merge(
+    runs: list[tuple[int, ...]],
+    row_stride: int,
+    offloaded_row: tuple[int, ...],
+    num_writers: int,
+    blocks_per_chunk: int,
+) -> bool:
+    """Whether two of a ref's fragments may ever continue each other on both
+    sides, in a flat plan of any block ids (False only when proven never).
+
+    Within a block, fragment i continues fragment i - 1 only where both its
+    offsets do. Across two kept blocks, the first fragment continues the
+    last when the device steps (row_stride apart, times an id difference)
+    and the offloaded ones (row and sub-block steps) both span the gap
+    between them: the gap must be a multiple of row_stride, and of the
+    offloaded steps' gcd. Pages a writer keeps (num_writers > 1) are
+    num_writers canonical pages apart, a multiple of num_writers sub-blocks
+    when rows hold exactly blocks_per_chunk of them.
+
+    Args:
+        runs: the ref's runs, as RUN_FIELDS tuples (count > 0).
+        offloaded_row: the ref's offloaded tensor, as OffloadedGeometry.
+    """
+    fragments = [
+        (offset + i * stride, canonical + i * canonical_stride, size)
+        for offset, canonical, size, count, stride, canonical_stride in runs
+        for i in range(count)
+    ]
+    if not fragments:
+        return False
+    for (local, canonical, size), (next_local, next_canonical, _) in pairwise(
+        fragments
+    ):
+        if local + size == next_local and canonical + size == next_canonical:
+            return True
+    last_local, last_canonical, last_size = fragments[-1]
+    device_gap = last_local + last_size - fragments[0][0]
+    offloaded_gap = last_canonical + last_size - fragments[0][1]
+    off_row_stride, sub_bytes = offloaded_row[1], offloaded_row[2]
+    offloaded_step = math.gcd(off_row_stride, sub_bytes)
+    if num_writers > 1 and off_row_stride == blocks_per_chunk * sub_bytes:
+        offloaded_step = num_writers * sub_bytes
+    return bool(
+        (row_stride == 0 or device_gap % row_stride == 0)
+        and (offloaded_step == 0 or offloaded_gap % offloaded_step == 0)
     )
 
 
@@ -324,8 +449,8 @@ def plan(
         n_ops += n * fragments
     src, dst, sizes = out_arrays(out, n_ops, SRC_DST_SIZES)
     written, num_bytes, block_ids, chunk_ids = _fill(
-        table, tables, False, block_ids, counts, offloaded_ids, store,
-        (src, dst, sizes, _NO_ROWS, _NO_ROWS, _NO_ROWS),
+        table, tables, (False, coalesce, max_run), block_ids, counts,
+        offloaded_ids, store, (src, dst, sizes, _NO_ROWS, _NO_ROWS, _NO_ROWS),
     )  # fmt: skip
     if written < 0:
         if written == _kernels.OVERLAPPING_BUFFERS:
@@ -334,9 +459,6 @@ def plan(
             (src, dst, sizes), table._groups, block_ids, counts.group_sizes,
             counts.block_indices, chunk_ids, offloaded,
         )  # fmt: skip
-    if coalesce and written:
-        src, dst, sizes = src[:written], dst[:written], sizes[:written]
-        written = _kernels.coalesce_kernel(src, dst, sizes, max_run, src, dst, sizes)
     if written < n_ops:
         src, dst, sizes = src[:written], dst[:written], sizes[:written]
     return TransferPlan(src, dst, sizes, num_bytes)
@@ -366,8 +488,9 @@ def plan_strided(
         n_ops += n * runs
     outputs = tuple(out_arrays(out, n_ops, STRIDED_BUFFERS))
     written, num_bytes, block_ids, chunk_ids = _fill(
-        table, tables, True, block_ids, counts, offloaded_ids, store, outputs
-    )
+        table, tables, (True, False, _kernels.NO_CAP), block_ids, counts,
+        offloaded_ids, store, outputs,
+    )  # fmt: skip
     if written < 0:
         if written == _kernels.OVERLAPPING_BUFFERS:
             raise overlap_error("out's six buffers, and the ids")
@@ -382,14 +505,19 @@ def plan_strided(
 def _fill(
     table: PointerTable,
     tables: PlanTables,
-    strided: bool,
+    kind: tuple[bool, bool, int],
     block_ids: npt.NDArray[Any],
     counts: GroupCounts,
     offloaded_ids: Any,
     store: bool,
     outputs: tuple[npt.NDArray[np.uint64], ...],
 ) -> tuple[int, int, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Run the kernel; return its status or count, the bytes, and the ids."""
+    """Run the kernel; return its status or count, the bytes, and the ids.
+
+    kind: (strided, coalesce, max_run_bytes or NO_CAP): a strided plan or a
+    flat one, merged or not.
+    """
+    strided, merge, max_run = kind
     if block_ids.dtype is not INT64:
         block_ids = block_ids.astype(np.int64)
     chunk_ids = block_ids_arg(offloaded_ids, "offloaded_ids")
@@ -416,6 +544,8 @@ def _fill(
         tables.offloaded.blocks_per_chunk,
         store,
         strided,
+        merge,
+        max_run,
         scratch,
         outputs[0],
         outputs[1],

@@ -86,15 +86,21 @@ def run_plan(
         raise InputTypeError(f"coalesce must be True or False, got {coalesce!r}")
     max_run = max_run_arg(max_run_bytes)
     n_ops, num_bytes, group_sizes, block_indices = counts
+    ref_table = table.ref_table
     cached = table._offloaded  # inline: a method call costs on every plan
     if cached is not None and cached[0] is offloaded:
         offloaded_refs = cached[1]
-    else:  # canonical layouts are never cached there: they always come here
-        if isinstance(offloaded, OffloadedLayout) and offloaded.canonical:
+    elif isinstance(offloaded, OffloadedLayout) and offloaded.canonical:
+        # Never cached there: canonical layouts always come here.
+        direct = _canonical.as_direct(table, offloaded, store) if coalesce else None
+        if direct is None:
             return _canonical.plan(
                 table, block_ids, counts, offloaded, offloaded_ids, store, out,
                 coalesce, max_run,
             )  # fmt: skip
+        ref_table, offloaded_refs = direct.ref_table, direct.offloaded_refs
+        num_bytes = sum(n * b for n, b in zip(group_sizes, direct.group_bytes))
+    else:
         offloaded_refs = table._offloaded_refs(offloaded)
     if block_ids.dtype is not INT64:
         block_ids = block_ids.astype(np.int64)
@@ -106,7 +112,7 @@ def run_plan(
     # memory.
     scratch = plan_scratch(len(block_ids))
     written = _kernels.plan_kernel(
-        table.ref_table,
+        ref_table,
         table.group_ref_start,
         offloaded_refs,
         block_ids,

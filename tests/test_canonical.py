@@ -296,6 +296,80 @@ def test_coalesced_canonical_plan_is_the_coalesced_reference(
     assert_same_plan(plan, expected, FLAT)
 
 
+def coalesced_against_reference(
+    kv: ptrres.CanonicalKVCaches,
+    offloaded: list[Any],
+    spec: ptrres.GPULoadStoreSpec,
+    chunk_ids: np.ndarray,
+    store: bool,
+) -> tuple[ptrres.TransferPlan, ptrres.TransferPlan]:
+    """(the coalesced flat plan, the reference's plan), checked equal once
+    merged."""
+    planned = reference.plan_canonical_transfer(
+        spec, kv, offloaded, 1, chunk_ids, store=store
+    )
+    layout = ptrres.OffloadedLayout(offloaded, 1, canonical=True)
+    plan = ptrres.PointerTable(kv).plan_transfer(
+        spec, layout, chunk_ids, store=store, coalesce=True
+    )
+    merged = reference.coalesce(planned.src, planned.dst, planned.sizes)
+    assert_same_plan(plan, merged, FLAT)
+    return plan, planned
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("num_writers", [1, 3])
+def test_coalesced_whole_page_layouts_keep_only_a_writers_pages(
+    store: bool, num_writers: int
+) -> None:
+    """One whole-page fragment per ref (MLA): a coalesced plan merges while it
+    fills, as a direct plan does, and a store still keeps only the writer's
+    pages, which are num_writers apart and never merge."""
+    page, num_blocks = 24, 12
+    device = torch.arange(num_blocks * page, dtype=torch.int32).to(torch.uint8)
+    mapping = CanonicalPageMapping(
+        page,
+        page,
+        (CopyRun(0, 0, page, 1, page, page),),
+        num_writers,
+        1 % num_writers,
+        False,
+    )
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(device.view(num_blocks, page), page)],
+        [[ptrres.CanonicalKVCacheRef(0, page, mapping)] * 2],
+    )
+    spec = ptrres.GPULoadStoreSpec(np.array([2, 3, 4, 5, 6, 7, 9, 10]), [8], [0])
+    chunk_ids = np.arange(3, 11)
+    offloaded = [torch.zeros((16, page), dtype=torch.uint8)]
+    plan, planned = coalesced_against_reference(kv, offloaded, spec, chunk_ids, store)
+    if store and num_writers > 1:
+        assert len(plan.sizes) == len(planned.sizes) == 2 * 3  # pages 4, 7, 10
+    else:
+        assert len(plan.sizes) == 4  # two runs per ref: ids 2-7 and 9-10
+
+
+def test_a_ref_that_never_merges_may_still_continue_the_ref_before() -> None:
+    """Ref 1's fragments never continue each other (merging skips them), but
+    its first continues ref 0's last on both sides, and joins it."""
+    row, sub = 32, 16
+    device = torch.zeros((4, row), dtype=torch.uint8)
+    ref_0 = CanonicalPageMapping(
+        sub, row, (CopyRun(0, 0, 4, 2, 8, 4),), 1, 0, False
+    )  # local 0 and 8 -> canonical 0 and 4
+    ref_1 = CanonicalPageMapping(
+        sub, row, (CopyRun(12, 8, 4, 2, 12, 4),), 1, 0, False
+    )  # local 12 and 24 -> canonical 8 and 12
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(device, row)],
+        [[ptrres.CanonicalKVCacheRef(0, row, m) for m in (ref_0, ref_1)]],
+    )
+    spec = ptrres.GPULoadStoreSpec(np.array([1]), [1], [0])
+    offloaded = [torch.zeros((4, sub), dtype=torch.uint8)]
+    plan, _ = coalesced_against_reference(kv, offloaded, spec, np.array([2]), True)
+    assert plan.sizes.tolist() == [4, 8, 4]
+
+
 @given(canonical_cases(), st.booleans(), st.booleans())
 def test_canonical_plan_from_device_pointers_is_the_same_plan(
     case: CanonicalCase, store: bool, merge: bool

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._config import inline_helper, kernel
+from .coalesce import append_merged, continues
 from .common import (
     BASE_PTR,
     OFF_BASE_PTR,
@@ -50,12 +51,18 @@ END_ITEM = 1
 NUM_WRITERS = 2  # the mapping's num_writers (1 for direct layouts)
 WRITER_INDEX = 3  # the mapping's writer_index
 BLOCK_BYTES = 4  # bytes the ref copies per kept block: sum of width * height
-REF_ITEM_COLUMNS = 5
+# 0 when no two of the ref's descriptors can ever continue each other, for
+# any block ids (_canonical.may_merge): in a load, and in a store (which keeps
+# only a writer's blocks). Merging then only looks at the ref's first.
+LOAD_MAY_MERGE = 5
+STORE_MAY_MERGE = 6
+REF_ITEM_COLUMNS = 7
 
 
 @kernel(
     f"int64({TABLE}, int64[:, ::1], int64[:, ::1], int64[:, ::1], int64[::1],"
-    " int64[:, ::1], int64[::1], int64, boolean, boolean, int64[:, ::1],"
+    " int64[:, ::1], int64[::1], int64, boolean, boolean, boolean, int64,"
+    " int64[:, ::1],"
     " uint64[::1], uint64[::1], uint64[::1], uint64[::1], uint64[::1],"
     " uint64[::1], int64[::1])"
 )
@@ -71,6 +78,8 @@ def canonical_plan_kernel(
     blocks_per_chunk: int,
     store: bool,
     strided: bool,
+    merge: bool,
+    max_run_bytes: int,
     scratch: IntArray,
     src: UIntArray,
     dst: UIntArray,
@@ -96,6 +105,8 @@ def canonical_plan_kernel(
         ref_items: (n_refs, REF_ITEM_COLUMNS): each ref's items and writers.
         items: (ITEM_COLUMNS, n_items), every ref's items.
         strided: write height and the pitches too (else they may be empty).
+        merge, max_run_bytes: as plan_kernel (flat plans only): each ref's
+            descriptors are merged as they are written, while in cache.
         scratch: (3, m) with m >= the largest group size: room for the chunk,
             the sub-block and the kept index of each block of a group.
         src, dst, width: outputs, at least as long as the number of
@@ -131,6 +142,8 @@ def canonical_plan_kernel(
     local_strides, canonical_strides = items[LOCAL_STRIDE], items[CANONICAL_STRIDE]
     chunk_of, sub_block_of, kept = scratch[0], scratch[1], scratch[2]
     group_sizes, block_indices = groups[0], groups[1]
+    cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
+    flat = (src, dst, width)
     written = ZERO
     num_bytes = np.int64(0)
     first_id = first_chunk = ZERO
@@ -198,36 +211,50 @@ def canonical_plan_kernel(
                     off_pitch[written : written + n_rows] = canonical_strides[
                         first_item
                     ]
-                written += n_rows
-                continue
-            for row in range(n_rows):
-                op = written + row * n_items
-                dev_ptr = base_ptr + np.int64(ids[kept[row]]) * row_stride
-                for i in range(n_items):
-                    dev_out[op + i] = dev_ptr + local_offsets[first_item + i]
-            for row in range(n_rows):
-                op = written + row * n_items
-                k = kept[row]
-                off_ptr = (
-                    off_base_ptr
-                    + chunk_of[k] * off_row_stride
-                    + sub_block_of[k] * sub_bytes
-                )
-                for i in range(n_items):
-                    off_out[op + i] = off_ptr + canonical_offsets[first_item + i]
-            for row in range(n_rows):
-                op = written + row * n_items
-                for i in range(n_items):
-                    width[op + i] = widths[first_item + i]
-            if strided:
+            else:
+                for row in range(n_rows):
+                    op = written + row * n_items
+                    dev_ptr = base_ptr + np.int64(ids[kept[row]]) * row_stride
+                    for i in range(n_items):
+                        dev_out[op + i] = dev_ptr + local_offsets[first_item + i]
+                for row in range(n_rows):
+                    op = written + row * n_items
+                    k = kept[row]
+                    off_ptr = (
+                        off_base_ptr
+                        + chunk_of[k] * off_row_stride
+                        + sub_block_of[k] * sub_bytes
+                    )
+                    for i in range(n_items):
+                        off_out[op + i] = off_ptr + canonical_offsets[first_item + i]
                 for row in range(n_rows):
                     op = written + row * n_items
                     for i in range(n_items):
-                        item = first_item + i
-                        height[op + i] = heights[item]
-                        dev_pitch[op + i] = local_strides[item]
-                        off_pitch[op + i] = canonical_strides[item]
-            written += n_rows * n_items
+                        width[op + i] = widths[first_item + i]
+                if strided:
+                    for row in range(n_rows):
+                        op = written + row * n_items
+                        for i in range(n_items):
+                            item = first_item + i
+                            height[op + i] = heights[item]
+                            dev_pitch[op + i] = local_strides[item]
+                            off_pitch[op + i] = canonical_strides[item]
+            end = written + n_rows * n_items
+            if merge and written < end:  # the ref's descriptors, merged in place
+                first = (src[written], dst[written], width[written])
+                if ref_items[ref, STORE_MAY_MERGE if store else LOAD_MAY_MERGE] or (
+                    written > ZERO
+                    and continues(
+                        (src[written - ONE], dst[written - ONE], width[written - ONE]),
+                        first,
+                        cap,
+                    )
+                ):
+                    written = append_merged(flat, (written, end), flat, written, cap)
+                else:  # none merges, nor the first into the last ref's last
+                    written = end
+            else:
+                written = end
     totals[0] = num_bytes
     return np.int64(written)
 
