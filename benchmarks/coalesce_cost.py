@@ -4,22 +4,32 @@ Issue-14 targets, every figure a ratio of medians of interleaved rounds timed in
 one process:
 - ``plan_transfer(coalesce=True)`` within 1.2x of ``plan_transfer()`` (store
   plans, bpc 4, into out= buffers) for every layout, kind of block ids and size;
+- the same bound for canonical plans (``ptrres bench``'s canonical presets,
+  loads and stores) and for file op lists (``PointerTable.plan_file_ops``);
 - the standalone ``coalesce()`` within 1.5x of a numpy fill of its output, at
   4096 blocks on every bench preset.
 
-Run: python benchmarks/coalesce_cost.py [--quick]
+Run: python benchmarks/coalesce_cost.py [--quick] [--only SECTION]...
+(sections: plans, canonical, files, coalesce)
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 import ptrres
-from ptrres.bench import PRESETS, Preset, compare, make_offloaded_ids, make_spec
+from ptrres.bench import (
+    CANONICAL_PRESETS,
+    PRESETS,
+    compare,
+    make_offloaded_ids,
+    make_spec,
+)
 
 LAYOUTS = ["llama-3.1-8b", "llama-3.1-70b-tp4", "hybrid-4x12"]
 SIZES = [16, 256, 4096]
@@ -65,38 +75,93 @@ ID_KINDS: dict[str, Callable[[int, np.random.Generator], npt.NDArray[np.int64]]]
 
 
 def spec_for(
-    preset: Preset, n: int, kind: str, seed: int = 0
+    n: int, kind: str, num_groups: int, seed: int = 0
 ) -> ptrres.GPULoadStoreSpec:
     rng = np.random.default_rng(seed)
-    groups = [ID_KINDS[kind](n, rng) for _ in range(preset.num_groups)]
+    groups = [ID_KINDS[kind](n, rng) for _ in range(num_groups)]
     return ptrres.GPULoadStoreSpec(
-        np.concatenate(groups), [n] * preset.num_groups, [0] * preset.num_groups
+        np.concatenate(groups), [n] * num_groups, [0] * num_groups
     )
 
 
-def plan_cost(name: str, n: int, kind: str, seconds: float) -> tuple[float, float, int]:
-    """(plain seconds, coalesced seconds, descriptors after merging)."""
+# What each section times, plain and coalesced, for a layout, a size and a
+# kind of ids: (one plan, taking out= and coalesce=; descriptors unmerged).
+Setup = tuple[Callable[..., Any], int]
+
+
+def direct_plans(name: str, n: int, kind: str) -> Setup:
     preset = PRESETS[name]
     table = ptrres.PointerTable(preset.kv_caches(NUM_BLOCKS))
     offloaded = ptrres.OffloadedLayout(
         preset.offloaded_tensors(BLOCKS_PER_CHUNK), BLOCKS_PER_CHUNK
     )
-    spec = spec_for(preset, n, kind)
+    spec = spec_for(n, kind, preset.num_groups)
     chunk_ids = make_offloaded_ids(spec, BLOCKS_PER_CHUNK)
-    n_ops = n * preset.num_refs
+    return (
+        lambda **kw: table.plan_transfer(spec, offloaded, chunk_ids, store=True, **kw),
+        n * preset.num_refs,
+    )
+
+
+def canonical_plans(label: str, n: int, kind: str) -> Setup:
+    name, direction = label.split()
+    preset = CANONICAL_PRESETS[name]
+    table = ptrres.PointerTable(preset.kv_caches(NUM_BLOCKS))
+    offloaded = ptrres.OffloadedLayout(
+        preset.offloaded_tensors(BLOCKS_PER_CHUNK), BLOCKS_PER_CHUNK, canonical=True
+    )
+    spec = spec_for(n, kind, 1)
+    chunk_ids = make_offloaded_ids(spec, BLOCKS_PER_CHUNK)
+    store = direction == "store"
+    n_ops = n * preset.num_layers * preset.run[3]
+    return (
+        lambda **kw: table.plan_transfer(spec, offloaded, chunk_ids, store=store, **kw),
+        n_ops,
+    )
+
+
+def file_ops(name: str, n: int, kind: str) -> Setup:
+    preset = PRESETS[name]
+    table = ptrres.PointerTable(preset.kv_caches(NUM_BLOCKS))
+    spec = spec_for(n, kind, preset.num_groups)
+    return (
+        lambda **kw: table.plan_file_ops(spec, BLOCKS_PER_CHUNK, **kw),
+        n * preset.num_refs,
+    )
+
+
+SECTIONS: dict[str, tuple[str, Callable[[str, int, str], Setup], list[str]]] = {
+    "plans": (
+        f"store plans, bpc {BLOCKS_PER_CHUNK}, out= buffers",
+        direct_plans,
+        LAYOUTS,
+    ),
+    "canonical": (
+        f"canonical plans (ptrres bench's presets, both directions), bpc "
+        f"{BLOCKS_PER_CHUNK}, out= buffers",
+        canonical_plans,
+        [f"{name} {way}" for name in CANONICAL_PRESETS for way in ("load", "store")],
+    ),
+    "files": (
+        f"file op lists (ref-major), bpc {BLOCKS_PER_CHUNK}, out= buffers",
+        file_ops,
+        LAYOUTS,
+    ),
+}
+
+
+def plan_cost(setup: Setup, seconds: float) -> tuple[float, float, int]:
+    """(plain seconds, coalesced seconds, descriptors after merging)."""
+    plan, n_ops = setup
     out = tuple(np.empty(n_ops, np.int64) for _ in range(3))
     timings = compare(
         {
-            "plan": lambda: table.plan_transfer(
-                spec, offloaded, chunk_ids, store=True, out=out
-            ),
-            "coalesced": lambda: table.plan_transfer(
-                spec, offloaded, chunk_ids, store=True, out=out, coalesce=True
-            ),
+            "plan": lambda: plan(out=out),
+            "coalesced": lambda: plan(out=out, coalesce=True),
         },
         seconds=seconds,
     )
-    merged = table.plan_transfer(spec, offloaded, chunk_ids, store=True, coalesce=True)
+    merged = plan(coalesce=True)
     return timings["plan"].seconds, timings["coalesced"].seconds, len(merged.sizes)
 
 
@@ -138,30 +203,41 @@ def fill_cost(name: str, n: int, seconds: float) -> tuple[float, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter timings")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=[*SECTIONS, "coalesce"],
+        help="one section (repeat for several); all by default",
+    )
     args = parser.parse_args()
     seconds = 0.1 if args.quick else 0.4
     ptrres.warmup()
 
-    print(
-        f"store plans, bpc {BLOCKS_PER_CHUNK}, out= buffers (target <= {PLAN_TARGET}x)"
-    )
-    print(
-        "| layout | block ids | blocks | descriptors | merged | plan | + coalesce |"
-        "\n| --- | --- | --- | --- | --- | --- | --- |"
-    )
-    worst = 0.0
-    for name in LAYOUTS:
-        for kind in ID_KINDS:
-            for n in SIZES:
-                plain, merged, written = plan_cost(name, n, kind, seconds)
-                ratio = merged / plain
-                worst = max(worst, ratio)
-                print(
-                    f"| {name} | {kind} | {n} | {n * PRESETS[name].num_refs} "
-                    f"| {written} | {plain * 1e6:.1f} us "
-                    f"| {merged * 1e6:.1f} us ({ratio:.2f}x) |"
-                )
-    print(f"worst coalesced/plain: {worst:.2f}x (target {PLAN_TARGET}x)\n")
+    for section in args.only or SECTIONS:
+        if section == "coalesce":
+            continue
+        title, setup, layouts = SECTIONS[section]
+        print(f"{title} (target <= {PLAN_TARGET}x)")
+        print(
+            "| layout | block ids | blocks | descriptors | merged | plan | + coalesce |"
+            "\n| --- | --- | --- | --- | --- | --- | --- |"
+        )
+        worst = 0.0
+        for name in layouts:
+            for kind in ID_KINDS:
+                for n in SIZES:
+                    made = setup(name, n, kind)
+                    plain, merged, written = plan_cost(made, seconds)
+                    ratio = merged / plain
+                    worst = max(worst, ratio)
+                    print(
+                        f"| {name} | {kind} | {n} | {made[1]} | {written} "
+                        f"| {plain * 1e6:.1f} us | {merged * 1e6:.1f} us "
+                        f"({ratio:.2f}x) |"
+                    )
+        print(f"worst coalesced/plain: {worst:.2f}x (target {PLAN_TARGET}x)\n")
+    if args.only and "coalesce" not in args.only:
+        return
 
     blocks = 4096
     print(f"coalesce() at {blocks} blocks against a numpy fill of its output")
