@@ -3,20 +3,23 @@
 Numba's compiler is single-threaded and holds a process-wide lock, so on an
 empty cache warmup() compiles the missing kernels in several processes at
 once, as PyTorch Inductor's compile workers do: this process compiles one
-share, fresh interpreters compile the others into the on-disk cache, and this
-process then loads them from it. With a warm cache (every later start) nothing
-is spawned.
+share, forks of it (or fresh interpreters, when it runs other threads) compile
+the others into the on-disk cache, and this process then loads them from it.
+With a warm cache (every later start) nothing is spawned.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from . import _config
@@ -69,8 +72,9 @@ def warmup(*, processes: int | None = None) -> WarmupReport:
 
     Args:
         processes: how many processes may compile kernels that are not in the
-            cache: this one and up to ``processes - 1`` fresh interpreters
-            (``sys.executable``), which write them to the cache. The default
+            cache: this one and up to ``processes - 1`` workers (forks of
+            it, or fresh ``sys.executable`` interpreters when it runs other
+            threads), which write them to the cache. The default
             is the number of CPUs this process may use; 1 compiles here only.
             Without a usable cache, everything compiles here.
 
@@ -134,17 +138,22 @@ WORKER_TIMEOUT = 600.0
 def _compile_in_parallel(processes: int) -> dict[tuple[int, str], int]:
     """Compile the uncached kernels in ``processes`` processes at once.
 
-    This process compiles the first share; each other share goes to a fresh
-    interpreter that compiles it into Numba's on-disk cache, from which the
-    caller then loads it. A worker that cannot start or fails leaves its share
-    uncached, and the caller compiles it itself: nothing is lost but time.
+    Workers compile into Numba's on-disk cache, from which the caller then
+    loads what they compiled. Forks of this process (on Linux, when it runs
+    no other Python thread) start at once, with ptrres and Numba imported,
+    and take the signatures one at a time from a queue this process also
+    takes from: however the guesses of their costs err, the processes end
+    together. Else fresh interpreters each compile a fixed share (_shares),
+    0.6 s later, since a fork would copy whatever locks other threads hold.
+    A worker that cannot start or fails leaves its kernels uncached, and the
+    caller compiles them itself: nothing is lost but time.
 
     Returns:
         For each (kernel id, signature) compiled in parallel, the process
         that compiled it: 0 for this one, 1 and up for workers. Empty when
         everything is left to the caller.
     """
-    if processes < 2 or _config.cache_refused is not None or not sys.executable:
+    if processes < 2 or _config.cache_refused is not None:
         return {}
     missing = [
         (dispatcher, signature)
@@ -155,12 +164,79 @@ def _compile_in_parallel(processes: int) -> dict[tuple[int, str], int]:
     ]
     if len(missing) < 2:
         return {}
+    if sys.platform == "linux" and threading.active_count() == 1:
+        return _compile_in_forks(missing, processes)
+    return _compile_in_interpreters(missing, processes)
+
+
+def _compile_in_forks(
+    missing: list[tuple[Any, str]], processes: int
+) -> dict[tuple[int, str], int]:
+    """Compile ``missing`` here and in forks, each taking the next signature
+    (costliest first) from one pipe until it is empty."""
+    order = sorted(range(len(missing)), key=lambda i: -_cost(missing[i][0]))
+    queue_out, queue_in = os.pipe()
+    done_out, done_in = os.pipe()
+    # One byte per signature: reads of one byte from a pipe never interleave.
+    os.write(queue_in, bytes(order[:255]))
+    os.close(queue_in)  # else no reader would ever see the queue end
+    pids = []
+    for worker in range(1, min(processes, len(missing))):
+        try:
+            pid = os.fork()
+        except OSError:
+            break
+        if pid == 0:  # a worker: compile, and leave without cleaning up
+            status = 1
+            try:
+                for i in _queued(queue_out):
+                    missing[i][0].compile(missing[i][1])
+                    os.write(done_in, bytes([i, worker]))
+                status = 0
+            finally:
+                os._exit(status)
+        pids.append(pid)
+    os.close(done_in)
+    compiled = {}
+    for i in chain(_queued(queue_out), order[255:]):  # one at a time
+        missing[i][0].compile(missing[i][1])
+        compiled[id(missing[i][0]), missing[i][1]] = 0
+    os.close(queue_out)
+    deadline = time.monotonic() + WORKER_TIMEOUT
+    for pid in pids:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.005)
+    with os.fdopen(done_out, "rb") as done:
+        report = done.read()
+    for i, worker in zip(report[::2], report[1::2]):
+        dispatcher, signature = missing[i]
+        if _cached(dispatcher, signature):
+            compiled[id(dispatcher), signature] = worker
+    return compiled
+
+
+def _queued(queue: int) -> Iterator[int]:
+    """The indices read one at a time from a queue pipe, until it is empty."""
+    while index := os.read(queue, 1):
+        yield index[0]
+
+
+def _compile_in_interpreters(
+    missing: list[tuple[Any, str]], processes: int
+) -> dict[tuple[int, str], int]:
+    """Compile the first share here, the others in fresh interpreters."""
     shares = _shares(missing, processes)
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     workers = []
     for worker, share in enumerate(shares[1:], 1):
         triples = [(d.py_func.__module__, d.__name__, s) for d, s in share]
         try:
+            if not sys.executable:
+                raise OSError("no interpreter")
             process = subprocess.Popen(
                 [sys.executable, "-c", _WORKER, package_parent, json.dumps(triples)],
                 stdin=subprocess.DEVNULL,
@@ -201,12 +277,16 @@ def _shares(
         [] for _ in range(min(processes, len(missing)))
     ]
     totals = [0] * len(shares)
-    costs = {id(d): _bytecode(d.py_func, set()) for d, _ in missing}
-    for dispatcher, signature in sorted(missing, key=lambda m: -costs[id(m[0])]):
+    for dispatcher, signature in sorted(missing, key=lambda m: -_cost(m[0])):
         cheapest = totals.index(min(totals))
         shares[cheapest].append((dispatcher, signature))
-        totals[cheapest] += costs[id(dispatcher)]
+        totals[cheapest] += _cost(dispatcher)
     return [share for _, share in sorted(zip(totals, shares), key=lambda t: -t[0])]
+
+
+def _cost(dispatcher: Any) -> int:
+    """A guess of what compiling a kernel costs: its bytecode, helpers in."""
+    return _bytecode(dispatcher.py_func, set())
 
 
 def _bytecode(function: Any, seen: set[int]) -> int:

@@ -213,6 +213,10 @@ import ptrres
 from ptrres import reference
 from ptrres._config import KERNELS
 from test_warmup import exercise_every_kernel
+if sys.argv[2] in ("threaded", "no-interpreter"):
+    # Another thread: workers are fresh interpreters, not forks.
+    import threading
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
 if sys.argv[2] == "no-interpreter":
     sys.executable = "/nonexistent/python"
 report = ptrres.warmup(processes=int(sys.argv[1]))
@@ -250,14 +254,16 @@ def warm_up_in_a_fresh_process(cache: str, processes: int, how: str = "") -> Any
 
 
 @pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
-def test_an_empty_cache_is_filled_by_several_processes(tmp_path) -> None:
-    """Cold: two processes compile, and what the worker compiled is what this
-    process runs. Warm: everything loads, and nothing is spawned."""
-    cold = warm_up_in_a_fresh_process(str(tmp_path), 2)
+@pytest.mark.parametrize("how", ["", "threaded"])
+def test_an_empty_cache_is_filled_by_several_processes(tmp_path, how: str) -> None:
+    """Cold: two processes compile (a fork taking from the same queue, or a
+    fresh interpreter when other threads run), and what the worker compiled
+    is what this process runs. Warm: everything loads, nothing is spawned."""
+    cold = warm_up_in_a_fresh_process(str(tmp_path), 2, how)
     assert cold == {
         "processes": 2, "hows": ["compiled"], "compiled_after": [], "same": True
     }  # fmt: skip
-    warm = warm_up_in_a_fresh_process(str(tmp_path), 2)
+    warm = warm_up_in_a_fresh_process(str(tmp_path), 2, how)
     assert warm == {
         "processes": 1, "hows": ["loaded"], "compiled_after": [], "same": True
     }  # fmt: skip
@@ -265,7 +271,8 @@ def test_an_empty_cache_is_filled_by_several_processes(tmp_path) -> None:
 
 @pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
 def test_without_a_worker_everything_compiles_here(tmp_path) -> None:
-    """A worker that cannot start costs only time: its share compiles here."""
+    """A worker that cannot start (no interpreter to run, in a process whose
+    other threads rule out a fork) costs only time: its share compiles here."""
     report = warm_up_in_a_fresh_process(str(tmp_path), 2, "no-interpreter")
     assert report == {
         "processes": 1, "hows": ["compiled"], "compiled_after": [], "same": True
