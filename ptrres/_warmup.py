@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -164,9 +165,20 @@ def _compile_in_parallel(processes: int) -> dict[tuple[int, str], int]:
     ]
     if len(missing) < 2:
         return {}
-    if sys.platform == "linux" and threading.active_count() == 1:
+    if can_fork():
         return _compile_in_forks(missing, processes)
     return _compile_in_interpreters(missing, processes)
+
+
+def can_fork() -> bool:
+    """Whether workers may be forks: on Linux, with no other Python thread.
+
+    A fork copies whatever locks other threads hold, and a Python thread may
+    hold one the worker needs (the compiler's, an import's). Native pools
+    (numpy's BLAS threads start at import) idle on condition variables and
+    hold none that a compiling worker takes.
+    """
+    return sys.platform == "linux" and threading.active_count() == 1
 
 
 def _compile_in_forks(
@@ -183,7 +195,11 @@ def _compile_in_forks(
     pids = []
     for worker in range(1, min(processes, len(missing))):
         try:
-            pid = os.fork()
+            with warnings.catch_warnings():
+                # Python 3.12 warns of any fork of a process with native
+                # threads, such as numpy's BLAS pool (see can_fork).
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
         except OSError:
             break
         if pid == 0:  # a worker: compile, and leave without cleaning up

@@ -219,6 +219,7 @@ if sys.argv[2] in ("threaded", "no-interpreter"):
     threading.Thread(target=threading.Event().wait, daemon=True).start()
 if sys.argv[2] == "no-interpreter":
     sys.executable = "/nonexistent/python"
+forks = ptrres._warmup.can_fork()
 report = ptrres.warmup(processes=int(sys.argv[1]))
 counts = {id(d): len(d.overloads) for d, _ in KERNELS}
 for id_dtype in (np.int32, np.int64):
@@ -232,6 +233,7 @@ ours = ptrres.PointerTable(kv).resolve(spec)
 theirs = reference.resolve_device_pointers(spec, kv)
 grown = [d.__name__ for d, _ in KERNELS if len(d.overloads) != counts[id(d)]]
 print(json.dumps({
+    "forks": forks,
     "processes": report.processes,
     "hows": sorted({k.how for k in report.kernels}),
     "compiled_after": grown,
@@ -259,13 +261,16 @@ def test_an_empty_cache_is_filled_by_several_processes(tmp_path, how: str) -> No
     """Cold: two processes compile (a fork taking from the same queue, or a
     fresh interpreter when other threads run), and what the worker compiled
     is what this process runs. Warm: everything loads, nothing is spawned."""
+    forks = how != "threaded"
     cold = warm_up_in_a_fresh_process(str(tmp_path), 2, how)
     assert cold == {
-        "processes": 2, "hows": ["compiled"], "compiled_after": [], "same": True
+        "forks": forks, "processes": 2, "hows": ["compiled"], "compiled_after": [],
+        "same": True,
     }  # fmt: skip
     warm = warm_up_in_a_fresh_process(str(tmp_path), 2, how)
     assert warm == {
-        "processes": 1, "hows": ["loaded"], "compiled_after": [], "same": True
+        "forks": forks, "processes": 1, "hows": ["loaded"], "compiled_after": [],
+        "same": True,
     }  # fmt: skip
 
 
@@ -275,7 +280,8 @@ def test_without_a_worker_everything_compiles_here(tmp_path) -> None:
     other threads rule out a fork) costs only time: its share compiles here."""
     report = warm_up_in_a_fresh_process(str(tmp_path), 2, "no-interpreter")
     assert report == {
-        "processes": 1, "hows": ["compiled"], "compiled_after": [], "same": True
+        "forks": False, "processes": 1, "hows": ["compiled"], "compiled_after": [],
+        "same": True,
     }  # fmt: skip
 
 
