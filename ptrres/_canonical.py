@@ -4,7 +4,9 @@ A table reads its refs' mappings when it is built. The first plan against a
 canonical OffloadedLayout checks them and flattens them into int64 tables
 (every ref's fragments, every ref's runs), cached with the layout as the
 direct plan caches its offloaded table: later plans only coerce their ids and
-run one kernel, with no Python loop over runs or fragments.
+run one kernel, with no Python loop over runs or fragments. The tables also
+say which refs may ever merge (may_merge), and give layouts of one fragment
+per ref a direct form, whose merged plans plan_kernel fills (as_direct).
 """
 
 from __future__ import annotations

@@ -349,6 +349,39 @@ def test_coalesced_whole_page_layouts_keep_only_a_writers_pages(
         assert len(plan.sizes) == 4  # two runs per ref: ids 2-7 and 9-10
 
 
+@pytest.mark.parametrize("store", [True, False])
+def test_coalesced_whole_page_plans_fail_as_plain_ones(store: bool) -> None:
+    """Merged one-fragment plans run as direct plans: a bad id still gets the
+    canonical plan's error, out= is zeroed, and the table keeps working."""
+    page = 16
+    mapping = CanonicalPageMapping(
+        page, page, (CopyRun(0, 0, page, 1, page, page),), 1, 0, False
+    )
+    device = torch.zeros((4, page), dtype=torch.uint8)
+    table = ptrres.PointerTable(rank_caches(device, mapping))
+    offloaded = [torch.zeros((3, page), dtype=torch.uint8)]
+    layout = ptrres.OffloadedLayout(offloaded, 1, canonical=True)
+    errors: list[tuple[bool, Any, str]] = []
+    for coalesce in (False, True):
+        out = tuple(np.full(4, 5, np.int64) for _ in range(3))
+        for spec, chunks in (([1, 4], [0, 1]), ([1, 2], [0, 3])):
+            with pytest.raises(ptrres.PtrresError) as error:
+                table.plan_transfer(
+                    ptrres.GPULoadStoreSpec(spec), layout, chunks, store=store,
+                    out=out, coalesce=coalesce,
+                )  # fmt: skip
+            errors.append((coalesce, type(error.value), str(error.value)))
+            assert all((b[:2] == 0).all() and (b[2:] == 5).all() for b in out)
+    assert errors[0][1] is ptrres.BlockIdError
+    assert errors[1][1] is ptrres.OffloadedIdError
+    assert [e[1:] for e in errors[:2]] == [e[1:] for e in errors[2:]]
+    plan = table.plan_transfer(
+        ptrres.GPULoadStoreSpec([1, 2]), layout, [0, 1], store=store, coalesce=True
+    )
+    assert len(plan.sizes) == 1
+    assert plan.num_bytes == 2 * page
+
+
 def test_a_ref_that_never_merges_may_still_continue_the_ref_before() -> None:
     """Ref 1's fragments never continue each other (merging skips them), but
     its first continues ref 0's last on both sides, and joins it."""

@@ -6,7 +6,9 @@ each) or its runs (strided plans, one 2-D descriptor each). A direct layout
 is a canonical one whose refs have a single whole-page item and one writer,
 so its strided plan comes from the same loop. Ids are checked and blocks
 mapped to chunks by plan.py's check_ids and map_chunks; statuses are those of
-common.py: the wrapper turns them into the errors of direct plans.
+common.py: the wrapper turns them into the errors of direct plans. A merged
+flat plan merges each ref's descriptors in place right after writing them
+(coalesce.append_merged), unless the table proves they never merge.
 """
 
 from __future__ import annotations

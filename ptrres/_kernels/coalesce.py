@@ -1,7 +1,9 @@
 """Coalescing: merging descriptors that continue each other on both sides.
 
-coalesce_kernel merges a finished plan; find_runs, fill_runs and append_capped
-let plan_kernel merge while it fills, with exactly coalesce_kernel's result.
+coalesce_kernel merges a finished plan, as append_merged does, which the
+canonical kernel also runs on each ref it fills; find_runs, fill_runs and
+append_capped let plan_kernel merge while it fills, with exactly
+coalesce_kernel's result.
 """
 
 from __future__ import annotations
