@@ -230,9 +230,10 @@ def plan_file_ops_kernel(
         if not pages_fit(pages, n_refs, bpc):
             return FILE_TOO_LARGE
     files[FILE_BYTES, files.shape[1] - 1] = np.int64(num_bytes)
+    # Typed int64 from the start: a literal 0 would have group_files compiled
+    # a second time, for Literal[int](0), while Numba infers the loop's types.
     written = ZERO
-    n_files = 0
-    op = 0
+    n_files = op = np.int64(0)
     for g in range(n_groups):
         n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
         for d in range(n_refs):
