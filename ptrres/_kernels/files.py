@@ -69,7 +69,7 @@ def group_files(
     ptrs: UIntArray,
     first_op: int,
     n_blocks: int,
-    pages: UIntArray,
+    sizes: UIntArray,
     n_refs: int,
     skip: int,
     bpc: np.uint64,
@@ -93,8 +93,9 @@ def group_files(
     Args:
         ptrs: device pointers; those of ref d of this group are
             ``ptrs[first_op + d * n_blocks:][:n_blocks]``.
-        pages: the page of each of the group's refs (first n_refs entries),
-            checked so that ``bpc * sum(pages)`` fits in int64.
+        sizes: the ops' sizes, as ptrs: every op of a ref has the ref's
+            page, and ``bpc`` times the sum of the group's pages fits in
+            int64 (both checked).
         skip: slot of the group's first block in its first chunk.
 
     Returns:
@@ -102,7 +103,7 @@ def group_files(
     """
     total = ZERO
     for d in range(n_refs):
-        total += pages[d]
+        total += sizes[first_op + d * n_blocks]
     n_chunks = (np.uint64(n_blocks) + np.uint64(skip) + bpc - ONE) // bpc
     for chunk in range(n_chunks):
         file_start = written
@@ -117,8 +118,8 @@ def group_files(
         _, first_slot = chunk_slot(first_k, np.uint64(skip), bpc)
         before = ZERO
         for d in range(n_refs):
-            page = pages[d]
             ref_ops = np.uint64(first_op) + np.uint64(d) * np.uint64(n_blocks)
+            page = sizes[ref_ops]
             if block_major:
                 offset, step = first_slot * total + before, total
             else:
@@ -150,18 +151,6 @@ def group_files(
                     offset += step
             before += page
     return written, n_files
-
-
-@inline_helper
-def pages_fit(pages: UIntArray, n_refs: int, bpc: np.uint64) -> bool:
-    """Whether a file of bpc * sum(pages) bytes has every offset in int64."""
-    limit = np.uint64(2**63 - 1) // bpc
-    total = ZERO
-    for d in range(n_refs):
-        if pages[d] > limit - total:
-            return False
-        total += pages[d]
-    return True
 
 
 @kernel(
@@ -206,16 +195,18 @@ def plan_file_ops_kernel(
     bpc = np.uint64(blocks_per_chunk)
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
     n_groups = groups.shape[1]
-    max_refs = 0
-    for g in range(n_groups):
-        max_refs = max(max_refs, groups[GROUP_REFS, g])
-    pages = np.empty(max_refs, np.uint64)
-    # Check first: every op of a ref has the ref's page, and files fit.
+    # Check first: every op of a ref has the ref's page, and files fit: every
+    # offset of a file of bpc * (the sum of its group's pages) bytes is an
+    # int64. Nothing is allocated here: group_files reads each ref's page
+    # from its first op, so that kernels run without Numba's runtime.
+    limit = np.uint64(2**63 - 1) // bpc
     op = 0
     num_bytes = ZERO
     for g in range(n_groups):
         n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
-        for d in range(n_refs):
+        file_bytes = ZERO  # per chunk: bpc times this
+        too_large = False
+        for _ in range(n_refs):
             page = sizes[op]
             # The bits where any size differs from the page: no branch in
             # the loop, so that it vectorises.
@@ -224,10 +215,11 @@ def plan_file_ops_kernel(
                 differs |= sizes[k] ^ page
             if differs:
                 return BAD_OP_SIZE
-            pages[d] = page
+            too_large |= page > limit - file_bytes
+            file_bytes += min(page, limit - file_bytes)  # stays <= limit
             num_bytes += page * np.uint64(n_blocks)
             op += n_blocks
-        if not pages_fit(pages, n_refs, bpc):
+        if too_large:
             return FILE_TOO_LARGE
     files[FILE_BYTES, files.shape[1] - 1] = np.int64(num_bytes)
     # Typed int64 from the start: a literal 0 would have group_files compiled
@@ -236,10 +228,8 @@ def plan_file_ops_kernel(
     n_files = op = np.int64(0)
     for g in range(n_groups):
         n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
-        for d in range(n_refs):
-            pages[d] = sizes[op + d * n_blocks]
         written, n_files = group_files(
-            ptrs, op, n_blocks, pages, n_refs, groups[GROUP_SKIP, g], bpc,
+            ptrs, op, n_blocks, sizes, n_refs, groups[GROUP_SKIP, g], bpc,
             block_major, merge, cap, groups[GROUP_IDX, g], dev_out, off_out,
             size_out, written, files, n_files,
         )  # fmt: skip
