@@ -241,35 +241,39 @@ def _canonical_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTa
             )
         group_fragments.append(n_fragments - fragments_before)
         group_runs.append(len(runs) - runs_before)
+    offloaded_refs = _int_table(offloaded_rows, _kernels.OFF_COLUMNS)
+    items = np.concatenate(fragments) if fragments else _int_table([], ck.ITEM_COLUMNS)
     return PlanTables(
         offloaded,
-        _int_table(offloaded_rows, _kernels.OFF_COLUMNS),
+        offloaded_refs,
         _int_table(fragment_refs, ck.REF_ITEM_COLUMNS),
-        _by_column(
-            np.concatenate(fragments) if fragments else _int_table([], ck.ITEM_COLUMNS)
-        ),
+        _by_column(items),
         _int_table(run_refs, ck.REF_ITEM_COLUMNS),
         _by_column(_int_table(runs, ck.ITEM_COLUMNS)),
         tuple(group_fragments),
         tuple(group_runs),
-        _as_direct(table, offloaded_rows, fragment_refs, fragments),
+        _as_direct(table, offloaded_refs, fragment_refs, items),
     )
 
 
 def _as_direct(
     table: PointerTable,
-    offloaded_rows: list[tuple[int, ...]],
+    offloaded_refs: IntTable,
     fragment_refs: list[tuple[int, ...]],
-    fragments: list[IntTable],
+    items: IntTable,
 ) -> DirectTables | None:
-    """The layout as a direct one, when every ref has exactly one fragment."""
+    """The layout as a direct one, when every ref has exactly one fragment.
+
+    Args:
+        offloaded_refs: the canonical tables' (not changed).
+        items: every ref's fragments, (n_fragments, ITEM_COLUMNS).
+    """
     if any(ref[ck.END_ITEM] - ref[ck.FIRST_ITEM] != 1 for ref in fragment_refs):
         return None
-    items = np.concatenate(fragments) if fragments else _int_table([], ck.ITEM_COLUMNS)
     ref_table = table.ref_table.copy()
     ref_table[:, BASE_PTR] += items[:, ck.LOCAL_OFFSET]
     ref_table[:, PAGE_SIZE] = items[:, ck.WIDTH]
-    offloaded_refs = _int_table(offloaded_rows, _kernels.OFF_COLUMNS)
+    offloaded_refs = offloaded_refs.copy()
     offloaded_refs[:, OFF_BASE_PTR] += items[:, ck.CANONICAL_OFFSET]
     starts = table.group_ref_start
     return DirectTables(
