@@ -193,7 +193,8 @@ def _compile_in_forks(
     os.write(queue_in, bytes(order[:255]))
     os.close(queue_in)  # else no reader would ever see the queue end
     pids = []
-    for worker in range(1, min(processes, len(missing))):
+    # Worker numbers go through the pipe as bytes, too.
+    for worker in range(1, min(processes, len(missing), 256)):
         try:
             with warnings.catch_warnings():
                 # Python 3.12 warns of any fork of a process with native
@@ -214,20 +215,22 @@ def _compile_in_forks(
         pids.append(pid)
     os.close(done_in)
     compiled = {}
-    for i in chain(_queued(queue_out), order[255:]):  # one at a time
-        missing[i][0].compile(missing[i][1])
-        compiled[id(missing[i][0]), missing[i][1]] = 0
-    os.close(queue_out)
-    deadline = time.monotonic() + WORKER_TIMEOUT
-    for pid in pids:
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-            time.sleep(0.005)
-    with os.fdopen(done_out, "rb") as done:
-        report = done.read()
+    try:
+        for i in chain(_queued(queue_out), order[255:]):  # one at a time
+            missing[i][0].compile(missing[i][1])
+            compiled[id(missing[i][0]), missing[i][1]] = 0
+    finally:  # even if a compile here fails: no worker is left behind
+        os.close(queue_out)
+        deadline = time.monotonic() + WORKER_TIMEOUT
+        for pid in pids:
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.005)
+        with os.fdopen(done_out, "rb") as done:
+            report = done.read()
     for i, worker in zip(report[::2], report[1::2]):
         dispatcher, signature = missing[i]
         if _cached(dispatcher, signature):
