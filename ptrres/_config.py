@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import numba
 from numba.core.cpu import CPUTargetOptions
 
+from ptrres._helper_compiler import helper_pipeline
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 JIT_OPTIONS: dict[str, Any] = {
@@ -45,6 +47,10 @@ JIT_OPTIONS: dict[str, Any] = {
 if hasattr(CPUTargetOptions, "_nrt"):
     JIT_OPTIONS["_nrt"] = False
 
+# Numba's compiler for inline helpers, which skips their own LLVM optimisation
+# and machine code (see ptrres._helper_compiler); None: Numba's default.
+HELPER_PIPELINE: Any = helper_pipeline()
+
 # Every kernel, with the signatures it is called with, for warmup().
 KERNELS: list[tuple[Any, tuple[str, ...]]] = []
 
@@ -71,6 +77,8 @@ def inline_helper(function: F) -> F:
     and without them: no faster kernels, and more compile time.)
     """
     options = dict(JIT_OPTIONS, cache=False, no_cpython_wrapper=True)
+    if HELPER_PIPELINE is not None:
+        options["pipeline_class"] = HELPER_PIPELINE
     return numba.njit(**options)(function)  # type: ignore[no-any-return]
 
 
