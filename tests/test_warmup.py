@@ -9,7 +9,7 @@ import sys
 import warnings
 from collections import Counter
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import numba
 import numpy as np
@@ -302,3 +302,33 @@ def test_shares_split_every_signature_once() -> None:
 def test_unreadable_cache_counts_as_cached() -> None:
     """An object whose cache cannot be read is left to the serial path."""
     assert _warmup._cached(FakeDispatcher(cached=set()), "int64(int64)")
+
+
+@pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
+def test_inline_helpers_are_compiled_into_callers_only() -> None:
+    """A helper, and a helper's helper, run inside their caller; the JIT
+    engine never generates code for them on their own (see
+    ptrres._helper_compiler). A Numba whose internals changed would make
+    HELPER_PIPELINE None and helpers plain njit functions: this says so."""
+    assert _config.HELPER_PIPELINE is not None
+
+    @_config.inline_helper
+    def triple(value: int) -> int:
+        return value * 3
+
+    @_config.inline_helper
+    def triple_plus_one(value: int) -> int:
+        return triple(value) + 1
+
+    def twice_that(value: int) -> int:
+        return triple_plus_one(value) * 2
+
+    caller = numba.njit(**dict(_config.JIT_OPTIONS, cache=False))(twice_that)
+    assert caller(5) == 32
+    for helper in (triple, triple_plus_one):
+        (compiled,) = cast(Any, helper).overloads.values()
+        engine = compiled.library.codegen._engine
+        assert not engine.is_symbol_defined(compiled.fndesc.llvm_func_name)
+    (compiled,) = caller.overloads.values()
+    engine = compiled.library.codegen._engine
+    assert engine.is_symbol_defined(compiled.fndesc.llvm_func_name)
