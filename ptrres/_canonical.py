@@ -30,7 +30,7 @@ from ._args import (
     missing_attributes,
     out_arrays,
 )
-from ._diagnose import failed_plan_error, overlap_error
+from ._diagnose import failed_plan_error
 from ._errors import InputTypeError, LayoutError
 from ._geometry import RefRow, tensor_geometry
 from ._kernels import canonical as ck
@@ -459,11 +459,10 @@ def plan(
         offloaded_ids, store, (src, dst, sizes, _NO_ROWS, _NO_ROWS, _NO_ROWS),
     )  # fmt: skip
     if written < 0:
-        if written == _kernels.OVERLAPPING_BUFFERS:
-            raise overlap_error("out's src, dst and sizes, and the ids")
         raise failed_plan_error(
-            (src, dst, sizes), table._groups, block_ids, counts.group_sizes,
-            counts.block_indices, chunk_ids, offloaded,
+            written, (src, dst, sizes), "out's src, dst and sizes, and the ids",
+            table._groups, block_ids, counts.group_sizes, counts.block_indices,
+            chunk_ids, offloaded,
         )  # fmt: skip
     if written < n_ops:
         src, dst, sizes = src[:written], dst[:written], sizes[:written]
@@ -498,11 +497,10 @@ def plan_strided(
         offloaded_ids, store, outputs,
     )  # fmt: skip
     if written < 0:
-        if written == _kernels.OVERLAPPING_BUFFERS:
-            raise overlap_error("out's six buffers, and the ids")
         raise failed_plan_error(
-            outputs, table._groups, block_ids, counts.group_sizes,
-            counts.block_indices, chunk_ids, offloaded,
+            written, outputs, "out's six buffers, and the ids", table._groups,
+            block_ids, counts.group_sizes, counts.block_indices, chunk_ids,
+            offloaded,
         )  # fmt: skip
     src, dst, width, height, src_pitch, dst_pitch = (o[:written] for o in outputs)
     return StridedTransferPlan(src, dst, width, height, src_pitch, dst_pitch, num_bytes)

@@ -23,6 +23,7 @@ from ._errors import (
     SpecError,
 )
 from ._geometry import RefRow, num_chunks
+from ._kernels import OVERLAPPING_BUFFERS
 from ._offloaded import OffloadedLayout
 from ._results import DevicePointerGroupInfo
 
@@ -113,16 +114,25 @@ def chunk_count_error(
 
 
 def failed_plan_error(
+    status: int,
     outputs: tuple[npt.NDArray[np.uint64], ...],
+    buffers: str,
     groups: Groups,
     block_ids: npt.NDArray[Any],
     group_sizes: tuple[int, ...],
     block_indices: tuple[int, ...],
     chunk_ids: npt.NDArray[np.int64],
     offloaded: OffloadedLayout,
-) -> BlockIdError | OffloadedIdError:
-    """Zero what a failed plan wrote into its outputs (it is never returned),
-    and return plan_error()'s error for its ids."""
+) -> BlockIdError | OffloadedIdError | OutBufferError:
+    """The error of a plan kernel's negative status (direct, canonical or
+    strided plans alike).
+
+    OVERLAPPING_BUFFERS: overlap_error() naming ``buffers`` (the kernel wrote
+    nothing). Else zero what the kernel wrote into its outputs (it is never
+    returned), and return plan_error()'s error for its ids.
+    """
+    if status == OVERLAPPING_BUFFERS:
+        return overlap_error(buffers)
     for output in outputs:
         output[:] = 0
     return plan_error(

@@ -29,7 +29,6 @@ from ._args import (
 from ._diagnose import (
     chunk_count_error,
     failed_plan_error,
-    overlap_error,
     pointer_error,
 )
 from ._errors import InputTypeError, SpecError
@@ -128,11 +127,10 @@ def run_plan(
         sizes,
     )
     if written < 0:
-        if written == _kernels.OVERLAPPING_BUFFERS:
-            raise overlap_error("out's src, dst and sizes, and the ids")
         raise failed_plan_error(
-            (src, dst, sizes), table._groups, block_ids, group_sizes,
-            block_indices, chunk_ids, offloaded,
+            written, (src, dst, sizes), "out's src, dst and sizes, and the ids",
+            table._groups, block_ids, group_sizes, block_indices, chunk_ids,
+            offloaded,
         )  # fmt: skip
     if written < n_ops:
         src, dst, sizes = src[:written], dst[:written], sizes[:written]
