@@ -473,6 +473,45 @@ def test_runs_merge_across_refs_and_groups(
     assert int(device_side[0]) == device[5].data_ptr()
 
 
+@pytest.mark.parametrize(
+    ("max_run_bytes", "expected_pages"),
+    [(None, [6]), (3 * 32, [3, 3]), (4 * 32, [4, 2]), (5 * 32, [5, 1]), (32, [1] * 6)],
+)
+@pytest.mark.parametrize("store", [True, False])
+def test_capped_run_rest_continues_into_next_ref(
+    store: bool, max_run_bytes: Any, expected_pages: list[int]
+) -> None:
+    """Three refs whose two pages each follow the ref before on both sides:
+    under a cap, a ref's run splits into the part that grows the last copy and
+    the rest, and the next ref's run must continue that rest."""
+    page = 32
+    device = torch.zeros(3, 2, page, dtype=torch.int8)  # ref, block, page
+    host = torch.zeros(2, 3, 2 * page, dtype=torch.int8)  # chunk, ref, sub-blocks
+    kv = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(device[i], page) for i in range(3)],
+        [[ptrres.CanonicalKVCacheRef(i, page) for i in range(3)]],
+    )
+    host_tensors = [host[:, i] for i in range(3)]
+    spec = ptrres.GPULoadStoreSpec([0, 1], [2], [0])
+    ids = np.array([1])
+    plan = ptrres.PointerTable(kv).plan_transfer(
+        spec,
+        ptrres.OffloadedLayout(host_tensors, 2),
+        ids,
+        store=store,
+        coalesce=True,
+        max_run_bytes=max_run_bytes,
+    )
+    assert plan.sizes.tolist() == [n * page for n in expected_pages]
+    unmerged = reference.plan_transfer(spec, kv, host_tensors, 2, ids, store=store)
+    assert_same_plan(
+        plan,
+        reference.coalesce(
+            unmerged.src, unmerged.dst, unmerged.sizes, max_run_bytes=max_run_bytes
+        ),
+    )
+
+
 def test_worked_example_store_and_load() -> None:
     """SPEC 5 by hand: bpc 2, skip 1, three blocks over two chunks."""
     device = random_tensor(10, 16, 0, torch.int8, 0)

@@ -32,7 +32,7 @@ from .common import (
 Descriptor = tuple[np.uint64, np.uint64, np.uint64]
 
 # Rows of find_runs's table of runs.
-RUN_STARTS, RUN_IDS, RUN_CHUNKS, RUN_SUBS = 0, 1, 2, 3
+RUN_STARTS, RUN_DEVICE, RUN_OFFLOADED, RUN_BYTES = 0, 1, 2, 3
 
 
 @inline_helper
@@ -255,45 +255,51 @@ def starts_run(before: Any, block: Any, steps: Any) -> bool:
 @inline_helper
 def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
     """Split a group's blocks into runs contiguous on both sides, for refs of
-    these steps (starts_run).
+    these steps (starts_run), and give each run its offsets and bytes.
 
-    Each run's first block is stored (its id, chunk and sub-block), so that a
-    ref's runs fill as its blocks would, one descriptor per run. The loop
-    stores block k where the next run would go, and counts a run only where
-    one starts.
+    A run's pointers, for a ref of these steps, are the ref's base pointers
+    plus the offsets of its first block: id * row stride on the device side,
+    chunk * offloaded row stride + sub-block * sub-block bytes on the other.
+    They are computed here, once for every ref that shares the steps, so
+    that fill_runs only adds (which also vectorises better than multiplies).
+    The loop stores block k where the next run would go, and counts a run
+    only where one starts.
 
     Args:
         blocks: as block_pointers.
         steps: as starts_run.
         runs: (4, m) with m > the group's size, filled as rows RUN_STARTS
-            (run r is blocks runs[RUN_STARTS, r:r + 2]), then RUN_IDS,
-            RUN_CHUNKS and RUN_SUBS: its first block's id, chunk and
-            sub-block. One array: each array a helper takes costs reference
-            counting.
+            (run r is blocks runs[RUN_STARTS, r:r + 2]), RUN_DEVICE,
+            RUN_OFFLOADED and RUN_BYTES.
 
     Returns:
         (the number of runs, the blocks of the longest).
     """
     ids, chunk_of, sub_block_of = blocks
+    row_stride, page_size, off_row_stride, sub_bytes = steps
     n_blocks = np.uint64(ids.shape[0])
-    runs[RUN_STARTS, 0] = 0
-    runs[RUN_IDS, 0] = ids[0]
-    runs[RUN_CHUNKS, 0] = chunk_of[0]
-    runs[RUN_SUBS, 0] = sub_block_of[0]
+    starts, device = runs[RUN_STARTS], runs[RUN_DEVICE]
+    offloaded, run_bytes = runs[RUN_OFFLOADED], runs[RUN_BYTES]
+    starts[0] = 0
     n_runs = longest = ONE
     run_start = ZERO
     for k in range(ONE, n_blocks):
-        runs[RUN_STARTS, n_runs] = k
-        runs[RUN_IDS, n_runs] = ids[k]
-        runs[RUN_CHUNKS, n_runs] = chunk_of[k]
-        runs[RUN_SUBS, n_runs] = sub_block_of[k]
+        starts[n_runs] = k
         before = (ids[k - ONE], chunk_of[k - ONE], sub_block_of[k - ONE])
         block = (ids[k], chunk_of[k], sub_block_of[k])
-        starts = starts_run(before, block, steps)
-        n_runs += np.uint64(starts)
-        run_start = k if starts else run_start
+        begins = starts_run(before, block, steps)
+        n_runs += np.uint64(begins)
+        run_start = k if begins else run_start
         longest = max(longest, k + ONE - run_start)
-    runs[RUN_STARTS, n_runs] = n_blocks
+    starts[n_runs] = n_blocks
+    # Each output in its own loop: they vectorise.
+    for run in range(n_runs):
+        device[run] = np.int64(ids[starts[run]]) * row_stride
+    for run in range(n_runs):
+        k = starts[run]
+        offloaded[run] = chunk_of[k] * off_row_stride + sub_block_of[k] * sub_bytes
+    for run in range(n_runs):
+        run_bytes[run] = (starts[run + ONE] - starts[run]) * page_size
     return n_runs, longest
 
 
@@ -303,9 +309,8 @@ def fill_runs(
 ) -> Any:
     """Append the runs of pages of refs that share their steps (find_runs's),
     one descriptor per run, as coalesce_kernel would merge their pages: for
-    runs that each fit the cap (max_run_bytes), with a loop like
-    fill_blocks's, which vectorises. All the refs in one call: a helper
-    taking arrays costs reference counting on every call.
+    runs that each fit the cap (max_run_bytes). All the refs in one call: a
+    helper taking arrays costs reference counting on every call.
 
     A ref's first run may first grow the last descriptor, while it ends where
     the run starts and stays within the cap; no other run
@@ -321,46 +326,53 @@ def fill_runs(
         The new number of descriptors.
     """
     dev_out, off_out, sizes = out
+    starts, device = runs[RUN_STARTS], runs[RUN_DEVICE]
+    offloaded, run_bytes = runs[RUN_OFFLOADED], runs[RUN_BYTES]
+    # The last descriptor, kept in registers: read back from the outputs
+    # right after a vector store, it would stall each ref.
+    last = (ZERO, ZERO, ZERO)
+    if written > ZERO:
+        last = (dev_out[written - ONE], off_out[written - ONE], sizes[written - ONE])
     for ref in range(refs[0], refs[1]):
         ref_row, off_row = rows_of(tables, ref)
-        base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
+        base_ptr, off_base_ptr = ref_row[BASE_PTR], off_row[OFF_BASE_PTR]
         page = np.uint64(ref_row[PAGE_SIZE])
-        off_base_ptr = off_row[OFF_BASE_PTR]
-        off_row_stride, sub_bytes = off_row[OFF_ROW_STRIDE], off_row[OFF_SUB_BYTES]
         first_run = ZERO
         if written > ZERO:
-            last = written - ONE
-            run_size = sizes[last]
-            dev_ptr = np.uint64(base_ptr + runs[RUN_IDS, 0] * row_stride)
-            off_ptr = np.uint64(
-                off_base_ptr
-                + runs[RUN_CHUNKS, 0] * off_row_stride
-                + runs[RUN_SUBS, 0] * sub_bytes
-            )
-            if continues(
-                (dev_out[last], off_out[last], run_size), (dev_ptr, off_ptr, page), cap
-            ):
-                n_pages = np.uint64(runs[RUN_STARTS, 1])
+            dev_ptr = np.uint64(base_ptr + device[0])
+            off_ptr = np.uint64(off_base_ptr + offloaded[0])
+            if continues(last, (dev_ptr, off_ptr, page), cap):
+                n_pages = np.uint64(starts[1])
                 joined = n_pages
                 if page > ZERO:
-                    joined = min(n_pages, (cap - run_size) // page)
-                sizes[last] = run_size + joined * page
+                    joined = min(n_pages, (cap - last[2]) // page)
+                last = (last[0], last[1], last[2] + joined * page)
+                sizes[written - ONE] = last[2]
                 first_run = ONE
                 if joined < n_pages:  # the rest of the run: within the cap
-                    dev_out[written] = dev_ptr + joined * page
-                    off_out[written] = off_ptr + joined * page
-                    sizes[written] = (n_pages - joined) * page
+                    last = (
+                        dev_ptr + joined * page,
+                        off_ptr + joined * page,
+                        (n_pages - joined) * page,
+                    )
+                    dev_out[written], off_out[written], sizes[written] = last
                     written += ONE
+        # One output per loop: each vectorises (one loop writing all three
+        # does not: too many arrays to check for overlap).
+        shift = written - first_run
         for run in range(first_run, n_runs):
-            op = written + run - first_run
-            dev_out[op] = base_ptr + runs[RUN_IDS, run] * row_stride
-            off_out[op] = (
-                off_base_ptr
-                + runs[RUN_CHUNKS, run] * off_row_stride
-                + runs[RUN_SUBS, run] * sub_bytes
+            dev_out[shift + run] = base_ptr + device[run]
+        for run in range(first_run, n_runs):
+            off_out[shift + run] = off_base_ptr + offloaded[run]
+        for run in range(first_run, n_runs):
+            sizes[shift + run] = run_bytes[run]
+        if n_runs > first_run:
+            final = n_runs - ONE
+            last = (
+                np.uint64(base_ptr + device[final]),
+                np.uint64(off_base_ptr + offloaded[final]),
+                np.uint64(run_bytes[final]),
             )
-            n_pages = runs[RUN_STARTS, run + ONE] - runs[RUN_STARTS, run]
-            sizes[op] = np.uint64(n_pages) * page
         written += n_runs - first_run
     return written
 

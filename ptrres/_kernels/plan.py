@@ -315,7 +315,12 @@ def unmergeable(rows: Any) -> bool:
     page is not a whole number of rows (pages shorter than their rows, as in
     hybrid layouts' smaller groups), and device steps are whole rows."""
     page, row_stride = rows[0][PAGE_SIZE], rows[0][ROW_STRIDE]
-    return bool((page != 0) & (row_stride > 0) & (page % max(row_stride, 1) != 0))
+    # Branches first: a division per ref costs more than the rest.
+    if (page == 0) | (row_stride <= 0) | (page == row_stride):
+        return False
+    if page < row_stride:
+        return True
+    return bool(page % row_stride != 0)
 
 
 @inline_helper
@@ -324,8 +329,7 @@ def fill_unmergeable(
 ) -> Any:
     """Append the pages of unmergeable refs, one descriptor each, as
     coalesce_kernel would merge them: only a ref's first page may grow the
-    last descriptor. All the refs in one call, the fill written out as in
-    fill_blocks: a helper taking arrays costs reference counting per call.
+    last descriptor.
 
     Args:
         out, written, blocks, cap: as coalesce.append_capped.
@@ -336,35 +340,23 @@ def fill_unmergeable(
         The new number of descriptors.
     """
     dev_out, off_out, sizes = out
-    ids, chunk_of, sub_block_of = blocks
-    n_blocks = np.uint64(ids.shape[0])
+    n_blocks = np.uint64(blocks[0].shape[0])
+    # The last descriptor, kept in registers (as in coalesce.fill_runs).
+    last = (ZERO, ZERO, ZERO)
+    if written > ZERO:
+        last = (dev_out[written - ONE], off_out[written - ONE], sizes[written - ONE])
     for ref in range(refs[0], refs[1]):
         rows = rows_of(tables, ref)
-        ref_row, off_row = rows
-        base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
-        page_size = ref_row[PAGE_SIZE]
-        off_base_ptr, off_row_stride = off_row[OFF_BASE_PTR], off_row[OFF_ROW_STRIDE]
-        sub_bytes = off_row[OFF_SUB_BYTES]
+        page = np.uint64(rows[0][PAGE_SIZE])
         first_k = ZERO
         if written > ZERO:
-            last = written - ONE
             dev_ptr, off_ptr = block_pointers(rows, blocks, ZERO)
-            page = np.uint64(page_size)
-            if continues(
-                (dev_out[last], off_out[last], sizes[last]),
-                (dev_ptr, off_ptr, page),
-                cap,
-            ):
-                sizes[last] += page
+            if continues(last, (dev_ptr, off_ptr, page), cap):
+                last = (last[0], last[1], last[2] + page)
+                sizes[written - ONE] = last[2]
                 first_k = ONE
-        for k in range(first_k, n_blocks):
-            op = written + k - first_k
-            dev_out[op] = base_ptr + np.int64(ids[k]) * row_stride
-            off_out[op] = (
-                off_base_ptr
-                + chunk_of[k] * off_row_stride
-                + sub_block_of[k] * sub_bytes
-            )
-            sizes[op] = page_size
-        written += n_blocks - first_k
+        written = fill_blocks(out, written, blocks, rows, first_k)
+        if n_blocks > first_k:
+            dev_ptr, off_ptr = block_pointers(rows, blocks, n_blocks - ONE)
+            last = (dev_ptr, off_ptr, page)
     return written
