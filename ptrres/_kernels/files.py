@@ -117,6 +117,9 @@ def group_files(
         end_k = min(np.uint64(n_blocks), chunk_start + bpc - np.uint64(skip))
         _, first_slot = chunk_slot(first_k, np.uint64(skip), bpc)
         before = ZERO
+        # The file's last op, kept in registers: read back from the outputs,
+        # each op's test would wait on the store before it.
+        run = (ZERO, ZERO, ZERO)
         for d in range(n_refs):
             ref_ops = np.uint64(first_op) + np.uint64(d) * np.uint64(n_blocks)
             page = sizes[ref_ops]
@@ -134,19 +137,14 @@ def group_files(
                     written += ONE
             else:
                 for k in range(first_k, end_k):
-                    dev_ptr = ptrs[ref_ops + k]
-                    # The run so far: the file's last op, if the file has one.
-                    if written > file_start and continues(
-                        (dev_out[written - ONE], off_out[written - ONE],
-                         size_out[written - ONE]),
-                        (dev_ptr, offset, page),
-                        cap,
-                    ):  # fmt: skip
-                        size_out[written - ONE] += page
+                    op = (ptrs[ref_ops + k], offset, page)
+                    # Only ops of this file merge: the first starts a run.
+                    if written > file_start and continues(run, op, cap):
+                        run = (run[0], run[1], run[2] + page)
+                        size_out[written - ONE] = run[2]
                     else:
-                        dev_out[written] = dev_ptr
-                        off_out[written] = offset
-                        size_out[written] = page
+                        run = op
+                        dev_out[written], off_out[written], size_out[written] = op
                         written += ONE
                     offset += step
             before += page
