@@ -155,12 +155,13 @@ def append_merged(inputs: Any, span: Any, out: Any, written: Any, cap: Any) -> A
         )
         n_marks = marks
         wraps = (z0 > TOP - a0) | (z0 > TOP - b0) | (z > TOP - a) | (z > TOP - b)
-        if copy_ahead:
+        if copy_ahead:  # one array per loop: each vectorises
             for k in range(ONE, n):
-                p = i + k
-                out_src[written + k] = src[p]
-                out_dst[written + k] = dst[p]
-                out_sizes[written + k] = sizes[p]
+                out_src[written + k] = src[i + k]
+            for k in range(ONE, n):
+                out_dst[written + k] = dst[i + k]
+            for k in range(ONE, n):
+                out_sizes[written + k] = sizes[i + k]
         for k in range(ONE, n):
             p = i + k
             a0, b0, z0 = src[p - ONE], dst[p - ONE], sizes[p - ONE]
