@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numba
 from numba.core.cpu import CPUTargetOptions
 
-from ptrres._helper_compiler import helper_pipeline
+from ptrres._compilers import pipelines
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,9 +47,13 @@ JIT_OPTIONS: dict[str, Any] = {
 if hasattr(CPUTargetOptions, "_nrt"):
     JIT_OPTIONS["_nrt"] = False
 
-# Numba's compiler for inline helpers, which skips their own LLVM optimisation
-# and machine code (see ptrres._helper_compiler); None: Numba's default.
-HELPER_PIPELINE: Any = helper_pipeline()
+# Numba's compilers (ptrres._compilers): kernels optimised once, at O3, and
+# helpers only linked into them. None: Numba's default compiler.
+KERNEL_PIPELINE: Any
+HELPER_PIPELINE: Any
+KERNEL_PIPELINE, HELPER_PIPELINE = pipelines(refcounts=JIT_OPTIONS.get("_nrt", True))
+if KERNEL_PIPELINE is not None:
+    JIT_OPTIONS["pipeline_class"] = KERNEL_PIPELINE
 
 # Every kernel, with the signatures it is called with, for warmup().
 KERNELS: list[tuple[Any, tuple[str, ...]]] = []
@@ -79,7 +83,7 @@ def inline_helper(function: F) -> F:
     use: HELPER_PIPELINE only links its IR into theirs.
     """
     options = dict(JIT_OPTIONS, cache=False, no_cpython_wrapper=True)
-    if HELPER_PIPELINE is not None:
+    if HELPER_PIPELINE is not None:  # else KERNEL_PIPELINE is None too
         options["pipeline_class"] = HELPER_PIPELINE
     return numba.njit(**options)(function)  # type: ignore[no-any-return]
 

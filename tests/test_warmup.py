@@ -307,10 +307,13 @@ def test_unreadable_cache_counts_as_cached() -> None:
 @pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
 def test_inline_helpers_are_compiled_into_callers_only() -> None:
     """A helper, and a helper's helper, run inside their caller; the JIT
-    engine never generates code for them on their own (see
-    ptrres._helper_compiler). A Numba whose internals changed would make
-    HELPER_PIPELINE None and helpers plain njit functions: this says so."""
+    engine never generates code for them on their own, and the caller's
+    library is a kernel's, optimised once (see ptrres._compilers). A Numba
+    whose internals changed would make the pipelines None and every function
+    a plain njit one: this says so."""
     assert _config.HELPER_PIPELINE is not None
+    assert _config.KERNEL_PIPELINE is not None
+    assert _config.JIT_OPTIONS["pipeline_class"] is _config.KERNEL_PIPELINE
 
     @_config.inline_helper
     def triple(value: int) -> int:
@@ -332,3 +335,4 @@ def test_inline_helpers_are_compiled_into_callers_only() -> None:
     (compiled,) = caller.overloads.values()
     engine = compiled.library.codegen._engine
     assert engine.is_symbol_defined(compiled.fndesc.llvm_func_name)
+    assert type(compiled.library).__name__ == "KernelLibrary"

@@ -1,0 +1,135 @@
+"""Numba compilers for ptrres's kernels and their inline helpers.
+
+Numba optimises a compiled function's LLVM IR three times: each function of a
+module as it is added to a code library (O3 function passes), then the
+library's final module with a cheap pass (which inlines, so that reference
+counts can be pruned), then with the full O3 pipeline; it then generates
+machine code. For ptrres:
+
+- **Helpers** are only ever called from kernels, which link their IR and
+  optimise it where it is used. A helper's own optimisation and machine code
+  were never used: about 0.8 s of a 6 s cold compile, more for helpers
+  calling helpers (optimised once per level). A helper's library now only
+  links: its IR goes to its callers as Numba's lowering left it. The one
+  thing the JIT engine still gets from a helper is its environment pointer, a
+  global Numba fills in once the helper is compiled: a module that defines
+  that global and nothing else.
+- **Kernels** get the full O3 pipeline once, on their final module. The
+  per-function passes optimised IR that the module pipeline optimises again,
+  and the cheap pass serves reference-count pruning, which kernels compiled
+  without Numba's runtime (_config) do not have: both together were 8-9% of
+  the cold compile, for the same machine code speed.
+
+This subclasses Numba internals (JITCodeLibrary and its finalize steps, the JIT
+engine), plugged in through njit's documented ``pipeline_class`` option; they
+have been stable for years but are not public, and mypy does not check calls
+into them (see pyproject.toml). Where they are missing, ``pipelines()``
+returns Nones and functions are compiled like any njit function; a library
+that lacks them when it is finalized is finalized by Numba as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pipelines(refcounts: bool) -> tuple[Any, Any]:
+    """Numba compiler classes (``pipeline_class``): (kernels', helpers').
+
+    Args:
+        refcounts: whether kernels are compiled with Numba's runtime. They
+            then keep Numba's cheap pass, so that their reference counts are
+            pruned as before.
+
+    Returns:
+        The two classes, or (None, None) where Numba's internals differ.
+    """
+    try:
+        import llvmlite.binding as llvm
+        from llvmlite import ir
+        from numba.core import cgutils, compiler
+        from numba.core.codegen import JITCodeLibrary
+    except ImportError:  # pragma: no cover - another Numba's layout
+        return None, None
+    methods = (
+        "_optimize_functions",
+        "_optimize_final_module",
+        "_raise_if_finalized",
+        "_get_module_for_linking",
+        "_finalize_dynamic_globals",
+        "_verify_declare_only_symbols",
+    )
+    if not all(hasattr(JITCodeLibrary, name) for name in methods):
+        return None, None  # pragma: no cover - another Numba's layout
+    attributes = ("_codegen", "_linking_libraries", "_final_module", "_reload_init")
+
+    class KernelLibrary(JITCodeLibrary):
+        """A kernel's code library: its final module optimised once, at O3."""
+
+        def _optimize_functions(self, ll_module: Any) -> None:
+            """No per-function passes: the module pipeline runs them all."""
+            ll_module.data_layout = self._codegen._data_layout
+
+        def _optimize_final_module(self) -> None:
+            if refcounts:  # pragma: no cover - a Numba without `_nrt`
+                super()._optimize_final_module()
+                return
+            manager, builder = self._codegen._module_pass_manager()
+            with self._recorded_timings.record("Module passes (O3)", builder):
+                manager.run(self._final_module, builder)
+
+    class LinkOnlyLibrary(KernelLibrary):
+        """A helper's code library: linked into its callers', never compiled."""
+
+        def finalize(self) -> None:
+            """Link in the helpers it calls; give the engine its environment."""
+            engine = getattr(getattr(self, "_codegen", None), "_engine", None)
+            if engine is None or not all(hasattr(self, a) for a in attributes):
+                super().finalize()  # pragma: no cover - another Numba's layout
+                return
+            self._raise_if_finalized()
+            seen = set()
+            for library in self._linking_libraries:
+                if library not in seen:
+                    seen.add(library)
+                    self._reload_init.update(library._reload_init)
+                    self._final_module.link_in(
+                        library._get_module_for_linking(), preserve=True
+                    )
+            self._final_module.verify()
+            self._finalize_dynamic_globals()
+            self._verify_declare_only_symbols()
+            # Numba declares the environment pointer with common linkage, and
+            # writes it (codegen.set_env) through the engine's address of it.
+            environment = self._codegen._create_empty_module(self.name)
+            null = cgutils.get_null_value(cgutils.voidptr_t)
+            for variable in self._final_module.global_variables:
+                if variable.linkage == llvm.Linkage.common:
+                    pointer = ir.GlobalVariable(
+                        environment, cgutils.voidptr_t, name=variable.name
+                    )
+                    pointer.linkage = "common"
+                    pointer.initializer = null
+            self._codegen._add_module(llvm.parse_assembly(str(environment)))
+            engine.finalize_object()
+            self._finalized = True
+
+    def compiler_for(library_class: type, cached: bool) -> type:
+        class LibraryCompiler(compiler.Compiler):
+            """Numba's default pipeline, lowering into a library_class."""
+
+            def compile_extra(self, func: Any) -> Any:
+                if self.state.library is None:
+                    codegen = self.state.targetctx.codegen()
+                    library = library_class(codegen, func.__qualname__)
+                    if cached:  # as Numba's lowering does: it can be saved
+                        library.enable_object_caching()
+                    self.state.library = library
+                return super().compile_extra(func)
+
+        LibraryCompiler.__name__ = LibraryCompiler.__qualname__ = (
+            library_class.__name__.replace("Library", "Compiler")
+        )
+        return LibraryCompiler
+
+    return compiler_for(KernelLibrary, True), compiler_for(LinkOnlyLibrary, False)
