@@ -50,8 +50,11 @@ if hasattr(CPUTargetOptions, "_nrt"):
 # Numba's compilers (ptrres._compilers): kernels optimised once, at O3, and
 # helpers only linked into them. None: Numba's default compiler.
 KERNEL_PIPELINE: Any
+UNROLLED_KERNEL_PIPELINE: Any
 HELPER_PIPELINE: Any
-KERNEL_PIPELINE, HELPER_PIPELINE = pipelines(refcounts=JIT_OPTIONS.get("_nrt", True))
+KERNEL_PIPELINE, UNROLLED_KERNEL_PIPELINE, HELPER_PIPELINE = pipelines(
+    refcounts=JIT_OPTIONS.get("_nrt", True)
+)
 if KERNEL_PIPELINE is not None:
     JIT_OPTIONS["pipeline_class"] = KERNEL_PIPELINE
 
@@ -59,11 +62,19 @@ if KERNEL_PIPELINE is not None:
 KERNELS: list[tuple[Any, tuple[str, ...]]] = []
 
 
-def kernel(*signatures: str) -> Callable[[F], F]:
-    """Compile a function with JIT_OPTIONS, lazily, for the given signatures."""
+def kernel(*signatures: str, unroll: bool = False) -> Callable[[F], F]:
+    """Compile a function with JIT_OPTIONS, lazily, for the given signatures.
+
+    Args:
+        unroll: have LLVM unroll and interleave the kernel's loops, for
+            kernels whose loops run faster so (ptrres._compilers).
+    """
+    options = dict(JIT_OPTIONS)
+    if unroll and UNROLLED_KERNEL_PIPELINE is not None:
+        options["pipeline_class"] = UNROLLED_KERNEL_PIPELINE
 
     def decorate(function: F) -> F:
-        dispatcher = _jit(function)
+        dispatcher = _jit(function, options)
         KERNELS.append((dispatcher, signatures))
         return dispatcher
 
@@ -92,8 +103,8 @@ def inline_helper(function: F) -> F:
 cache_refused: str | None = None
 
 
-def _jit(function: F) -> F:
-    """numba.njit(**JIT_OPTIONS), uncached when Numba has nowhere to cache.
+def _jit(function: F, options: dict[str, Any]) -> F:
+    """numba.njit(**options), uncached when Numba has nowhere to cache.
 
     With cache=True, Numba looks for a writable cache directory when a function
     is decorated (at import): NUMBA_CACHE_DIR, the package's __pycache__, then
@@ -105,7 +116,7 @@ def _jit(function: F) -> F:
     global cache_refused
     if cache_refused is None:
         try:
-            return numba.njit(**JIT_OPTIONS)(function)  # type: ignore[no-any-return]
+            return numba.njit(**options)(function)  # type: ignore[no-any-return]
         except RuntimeError as exc:  # "cannot cache function ...: no locator"
             cache_refused = str(exc)
             warnings.warn(
@@ -114,7 +125,7 @@ def _jit(function: F) -> F:
                 "Set NUMBA_CACHE_DIR to a writable directory to cache them.",
                 stacklevel=3,  # the kernel's definition
             )
-    uncached = numba.njit(**dict(JIT_OPTIONS, cache=False))
+    uncached = numba.njit(**dict(options, cache=False))
     return uncached(function)  # type: ignore[no-any-return]
 
 

@@ -18,7 +18,7 @@ import torch
 from conftest import JIT_DISABLED, random_tensor
 
 import ptrres
-from ptrres import _config, _warmup
+from ptrres import _compilers, _config, _warmup
 from ptrres._config import KERNELS
 
 
@@ -196,7 +196,9 @@ def test_nowhere_to_cache_compiles_uncached_with_one_warning(monkeypatch) -> Non
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = [_config._jit(kernel_function) for _ in range(2)]
+        compiled = [
+            _config._jit(kernel_function, _config.JIT_OPTIONS) for _ in range(2)
+        ]
     assert compiled == [kernel_function] * 2
     assert [w.category for w in caught] == [UserWarning]
     assert "cannot cache compiled kernels" in str(caught[0].message)
@@ -302,6 +304,23 @@ def test_shares_split_every_signature_once() -> None:
 def test_unreadable_cache_counts_as_cached() -> None:
     """An object whose cache cannot be read is left to the serial path."""
     assert _warmup._cached(FakeDispatcher(cached=set()), "int64(int64)")
+
+
+def test_kernel_loops_unroll_only_where_asked(monkeypatch) -> None:
+    """Kernels' LLVM options: Numba's level and loop vectoriser, loops
+    unrolled and interleaved only for kernels that ask (the resolver)."""
+    import llvmlite.binding as llvm
+
+    tuning = _compilers._tuning_options(llvm)
+    assert tuning is not None
+    plain, unrolled = tuning(False), tuning(True)
+    assert (plain.loop_unrolling, plain.loop_interleaving) == (False, False)
+    assert (unrolled.loop_unrolling, unrolled.loop_interleaving) == (True, True)
+    assert plain.loop_vectorization
+    assert unrolled.loop_vectorization
+    assert plain.speed_level == unrolled.speed_level == 3
+    monkeypatch.setattr(numba.config, "OPT", 0)  # NUMBA_OPT=0 still applies
+    assert tuning(False).speed_level == 0
 
 
 @pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
