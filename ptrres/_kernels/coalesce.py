@@ -24,6 +24,8 @@ from .common import (
     ROW_STRIDE,
     ZERO,
     UIntArray,
+    greater,
+    lesser,
     overlaps,
     rows_of,
 )
@@ -50,10 +52,10 @@ def continues(run: Descriptor, descriptor: Descriptor, max_run_bytes: Any) -> bo
     return bool(
         (a >= run_a)
         & (b >= run_b)
-        & (a - min(a, run_a) == run_size)
-        & (b - min(b, run_b) == run_size)
+        & (a - lesser(a, run_a) == run_size)
+        & (b - lesser(b, run_b) == run_size)
         & (run_size <= max_run_bytes)
-        & (size <= max_run_bytes - min(run_size, max_run_bytes))
+        & (size <= max_run_bytes - lesser(run_size, max_run_bytes))
     )
 
 
@@ -142,16 +144,16 @@ def append_merged(inputs: Any, span: Any, out: Any, written: Any, cap: Any) -> A
     separate = out_src.ctypes.data != src.ctypes.data
     copy_ahead = separate
     while i < end:
-        n = min(np.uint64(SPAN), end - i)
+        n = lesser(np.uint64(SPAN), end - i)
         last = written - ONE
         run = (out_src[last], out_dst[last], out_sizes[last])
         # The marks: bit k for descriptor i + k, the first against the run.
-        # Written out, here and in the loop: helpers called in the loop are
-        # not inlined, and made it three times slower.
+        # Written out, here and in the loop: the test as a helper was not
+        # inlined in the loop, and made it three times slower.
         a0, b0, z0 = run
         a, b, z = src[i], dst[i], sizes[i]
         marks = np.uint64(
-            (a < a0) | (b < b0) | (a - min(a, a0) != z0) | (b - min(b, b0) != z0)
+            (a < a0) | (b < b0) | (a - lesser(a, a0) != z0) | (b - lesser(b, b0) != z0)
         )
         n_marks = marks
         wraps = (z0 > TOP - a0) | (z0 > TOP - b0) | (z > TOP - a) | (z > TOP - b)
@@ -167,7 +169,10 @@ def append_merged(inputs: Any, span: Any, out: Any, written: Any, cap: Any) -> A
             a0, b0, z0 = src[p - ONE], dst[p - ONE], sizes[p - ONE]
             a, b, z = src[p], dst[p], sizes[p]
             mark = np.uint64(
-                (a < a0) | (b < b0) | (a - min(a, a0) != z0) | (b - min(b, b0) != z0)
+                (a < a0)
+                | (b < b0)
+                | (a - lesser(a, a0) != z0)
+                | (b - lesser(b, b0) != z0)
             )
             marks |= mark << k
             n_marks += mark
@@ -291,7 +296,7 @@ def find_runs(blocks: Any, steps: Any, runs: Any) -> Any:
         begins = starts_run(before, block, steps)
         n_runs += np.uint64(begins)
         run_start = k if begins else run_start
-        longest = max(longest, k + ONE - run_start)
+        longest = greater(longest, k + ONE - run_start)
     starts[n_runs] = n_blocks
     # Each output in its own loop: they vectorise.
     for run in range(n_runs):
@@ -346,7 +351,7 @@ def fill_runs(
                 n_pages = np.uint64(starts[1])
                 joined = n_pages
                 if page > ZERO:
-                    joined = min(n_pages, (cap - last[2]) // page)
+                    joined = lesser(n_pages, (cap - last[2]) // page)
                 last = (last[0], last[1], last[2] + joined * page)
                 sizes[written - ONE] = last[2]
                 first_run = ONE

@@ -70,6 +70,20 @@ def overlaps(a: IntArray, b: IntArray) -> bool:
 
 
 @inline_helper
+def lesser(a: Any, b: Any) -> Any:
+    """min(a, b) of two scalars of one type, as a helper: Numba compiles
+    min() and max() as overloads of their own, each optimised and turned into
+    machine code of its own at start-up, where a helper is only linked."""
+    return a if a <= b else b
+
+
+@inline_helper
+def greater(a: Any, b: Any) -> Any:
+    """max(a, b) of two scalars of one type (see lesser)."""
+    return a if a >= b else b
+
+
+@inline_helper
 def chunk_slot(k: np.uint64, skip: np.uint64, blocks_per_chunk: np.uint64) -> Any:
     """Chunk (counted from the group's first) and sub-block of a group's block k.
 
@@ -90,8 +104,8 @@ def id_range(ids: IntArray) -> tuple[int, int]:
     lowest = highest = np.int64(ids[0])
     for k in range(1, ids.shape[0]):
         block_id = np.int64(ids[k])
-        lowest = min(lowest, block_id)
-        highest = max(highest, block_id)
+        lowest = lesser(lowest, block_id)
+        highest = greater(highest, block_id)
     return lowest, highest
 
 

@@ -22,6 +22,7 @@ from .common import (
     IntArray,
     UIntArray,
     chunk_slot,
+    lesser,
     overlaps,
 )
 
@@ -113,8 +114,8 @@ def group_files(
         n_files += 1
         # Blocks k of this chunk: slots skip + k - chunk * bpc in [0, bpc).
         chunk_start = np.uint64(chunk) * bpc
-        first_k = chunk_start - min(chunk_start, np.uint64(skip))
-        end_k = min(np.uint64(n_blocks), chunk_start + bpc - np.uint64(skip))
+        first_k = chunk_start - lesser(chunk_start, np.uint64(skip))
+        end_k = lesser(np.uint64(n_blocks), chunk_start + bpc - np.uint64(skip))
         _, first_slot = chunk_slot(first_k, np.uint64(skip), bpc)
         before = ZERO
         # The file's last op, kept in registers: read back from the outputs,
@@ -214,7 +215,7 @@ def plan_file_ops_kernel(
             if differs:
                 return BAD_OP_SIZE
             too_large |= page > limit - file_bytes
-            file_bytes += min(page, limit - file_bytes)  # stays <= limit
+            file_bytes += lesser(page, limit - file_bytes)  # stays <= limit
             num_bytes += page * np.uint64(n_blocks)
             op += n_blocks
         if too_large:
