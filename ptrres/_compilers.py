@@ -15,11 +15,11 @@ machine code. For ptrres:
   global Numba fills in once the helper is compiled: a module that defines
   that global and nothing else.
 - **Kernels** get the O3 pipeline once, on their final module, without loop
-  unrolling or interleaving unless they ask (_tuning_options). The per-function passes
-  optimised IR that the module pipeline optimises again, and the cheap pass
-  serves reference-count pruning, which kernels compiled without Numba's
-  runtime (_config) do not have. Together these were 12% of the cold
-  compile, for the same speed of the compiled kernels.
+  unrolling or interleaving unless they ask (_tuning_options). The
+  per-function passes optimised IR that the module pipeline optimises again,
+  and the cheap pass serves reference-count pruning, which kernels compiled
+  without Numba's runtime (_config) do not have. Together these were about
+  10% of the cold compile, for the same speed of the compiled kernels.
 
 This subclasses Numba internals (JITCodeLibrary and its finalize steps, the JIT
 engine), plugged in through njit's documented ``pipeline_class`` option; they
