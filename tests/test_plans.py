@@ -452,23 +452,10 @@ def test_runs_merge_across_refs_and_groups(
     )
     host_tensors = [host[:, i] for i in range(3)]
     spec = ptrres.GPULoadStoreSpec([5, 5], [1, 1], [0, 0])
-    ids = np.array([3, 3])
-    plan = ptrres.PointerTable(kv).plan_transfer(
-        spec,
-        ptrres.OffloadedLayout(host_tensors, 1),
-        ids,
-        store=store,
-        coalesce=True,
-        max_run_bytes=max_run_bytes,
+    plan = merged_like_reference(
+        kv, (host_tensors, 1), spec, np.array([3, 3]), store, max_run_bytes
     )
     assert plan.sizes.tolist() == expected_sizes
-    unmerged = reference.plan_transfer(spec, kv, host_tensors, 1, ids, store=store)
-    assert_same_plan(
-        plan,
-        reference.coalesce(
-            unmerged.src, unmerged.dst, unmerged.sizes, max_run_bytes=max_run_bytes
-        ),
-    )
     device_side = plan.src if store else plan.dst
     assert int(device_side[0]) == device[5].data_ptr()
 
@@ -493,23 +480,36 @@ def test_capped_run_rest_continues_into_next_ref(
     )
     host_tensors = [host[:, i] for i in range(3)]
     spec = ptrres.GPULoadStoreSpec([0, 1], [2], [0])
-    ids = np.array([1])
+    plan = merged_like_reference(
+        kv, (host_tensors, 2), spec, np.array([1]), store, max_run_bytes
+    )
+    assert plan.sizes.tolist() == [n * page for n in expected_pages]
+
+
+def merged_like_reference(
+    kv: Any, offloaded: Any, spec: Any, ids: Any, store: bool, max_run_bytes: Any
+) -> Any:
+    """A coalesced plan, checked against the reference's plan coalesced.
+
+    offloaded: (the offloaded tensors, blocks_per_chunk).
+    """
+    host_tensors, bpc = offloaded
     plan = ptrres.PointerTable(kv).plan_transfer(
         spec,
-        ptrres.OffloadedLayout(host_tensors, 2),
+        ptrres.OffloadedLayout(host_tensors, bpc),
         ids,
         store=store,
         coalesce=True,
         max_run_bytes=max_run_bytes,
     )
-    assert plan.sizes.tolist() == [n * page for n in expected_pages]
-    unmerged = reference.plan_transfer(spec, kv, host_tensors, 2, ids, store=store)
+    unmerged = reference.plan_transfer(spec, kv, host_tensors, bpc, ids, store=store)
     assert_same_plan(
         plan,
         reference.coalesce(
             unmerged.src, unmerged.dst, unmerged.sizes, max_run_bytes=max_run_bytes
         ),
     )
+    return plan
 
 
 def test_worked_example_store_and_load() -> None:
