@@ -315,8 +315,9 @@ def fill_runs(
 ) -> Any:
     """Append the runs of pages of refs that share their steps (find_runs's),
     one descriptor per run, as coalesce_kernel would merge their pages: for
-    runs that each fit the cap (max_run_bytes). All the refs in one call: a
-    helper taking arrays costs reference counting on every call.
+    runs that each fit the cap (max_run_bytes). All the refs in one call:
+    they share the runs, and the last descriptor stays in registers from one
+    ref to the next.
 
     A ref's first run may first grow the last descriptor, while it ends where
     the run starts and stays within the cap; no other run

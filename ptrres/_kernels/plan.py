@@ -315,12 +315,7 @@ def unmergeable(rows: Any) -> bool:
     page is not a whole number of rows (pages shorter than their rows, as in
     hybrid layouts' smaller groups), and device steps are whole rows."""
     page, row_stride = rows[0][PAGE_SIZE], rows[0][ROW_STRIDE]
-    # Branches first: a division per ref costs more than the rest.
-    if (page == 0) | (row_stride <= 0) | (page == row_stride):
-        return False
-    if page < row_stride:
-        return True
-    return bool(page % row_stride != 0)
+    return bool((page != 0) & (row_stride > 0) & (page % max(row_stride, 1) != 0))
 
 
 @inline_helper
