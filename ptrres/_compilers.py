@@ -76,10 +76,11 @@ def pipelines(refcounts: bool) -> tuple[Any, Any, Any]:
             ll_module.data_layout = self._codegen._data_layout
 
         def _optimize_final_module(self) -> None:
-            if refcounts or tuning is None:  # pragma: no cover - other Numbas
-                super()._optimize_final_module()
+            machine = getattr(self._codegen, "_tm", None)  # the target machine
+            if refcounts or tuning is None or machine is None:  # pragma: no cover
+                super()._optimize_final_module()  # other Numbas: as Numba does
                 return
-            builder = llvm.create_pass_builder(self._codegen._tm, tuning(self.unroll))
+            builder = llvm.create_pass_builder(machine, tuning(self.unroll))
             manager = builder.getModulePassManager()
             with self._recorded_timings.record("Module passes (O3)", builder):
                 manager.run(self._final_module, builder)
