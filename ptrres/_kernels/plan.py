@@ -38,6 +38,7 @@ from .common import (
     IntArray,
     UIntArray,
     chunk_slot,
+    greater,
     id_range,
     overlaps,
     rows_of,
@@ -315,7 +316,8 @@ def unmergeable(rows: Any) -> bool:
     page is not a whole number of rows (pages shorter than their rows, as in
     hybrid layouts' smaller groups), and device steps are whole rows."""
     page, row_stride = rows[0][PAGE_SIZE], rows[0][ROW_STRIDE]
-    return bool((page != 0) & (row_stride > 0) & (page % max(row_stride, 1) != 0))
+    divisor = greater(row_stride, np.int64(1))
+    return bool((page != 0) & (row_stride > 0) & (page % divisor != 0))
 
 
 @inline_helper
