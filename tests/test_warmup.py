@@ -337,6 +337,30 @@ def test_kernel_loops_unroll_only_where_asked(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
+@pytest.mark.parametrize("refcounts", [False, True])
+def test_kernels_skip_the_passes_they_do_not_need(refcounts: bool) -> None:
+    """Numba's pipeline runs less the passes for features ptrres never uses,
+    and less the marking of variables' deaths only without reference counts;
+    what remains still types and lowers a function that runs."""
+    from numba.core import compiler
+
+    kernel_compiler, _, _ = _compilers.pipelines(refcounts=refcounts)
+    options = {"pipeline_class": kernel_compiler, "_nrt": refcounts}
+    add_one = numba.njit(**options)(lambda x: x + 1)
+    assert add_one(41) == 42
+    [overload] = add_one.overloads.values()
+    [times] = overload.metadata["pipeline_times"].values()
+    ran = {key.split("_", 1)[1] for key in times}
+
+    def names(passes: frozenset[str]) -> set[str]:
+        return {getattr(compiler, name)._name for name in passes}
+
+    assert {"nopython_type_inference", "native_lowering"} <= ran
+    assert not ran & names(_compilers.UNUSED_PASSES)
+    assert (names(_compilers.REFCOUNTING_PASSES) <= ran) == refcounts
+
+
+@pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
 def test_inline_helpers_are_compiled_into_callers_only() -> None:
     """A helper, and a helper's helper, run inside their caller; the JIT
     engine never generates code for them on their own, and the caller's
