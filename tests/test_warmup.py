@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -155,9 +156,12 @@ class FakeDispatcher:
         self.calls: list[str] = []  # what was asked of it, in order
         self.typingctx = SimpleNamespace(refresh=lambda: self.calls.append("typing"))
         self.targetctx = SimpleNamespace(refresh=lambda: self.calls.append("target"))
+        self._cache: FakeCache | None = None  # Numba's on-disk cache, if any
 
     def compile(self, signature: str) -> None:
         self.calls.append(signature)
+        if self._cache is not None:
+            self._cache.load_overload(signature, self.targetctx)
         if signature not in self.overloads:
             self.overloads[signature] = object()
             if signature in self.cached:
@@ -165,6 +169,38 @@ class FakeDispatcher:
 
     def disable_compile(self) -> None:
         self.closed = True
+
+
+class FakeCache:
+    """Numba's on-disk cache's load: a refresh of Numba's registries, then
+    the load itself."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def load_overload(self, signature: str, target_context: object) -> None:
+        self.calls.append("refresh")
+        self._load_overload(signature, target_context)
+
+    def _load_overload(self, signature: str, target_context: object) -> None:
+        self.calls.append("load")
+
+    def _guard_against_spurious_io_errors(self) -> Any:
+        return contextlib.nullcontext()
+
+
+def test_warmup_loads_without_numbas_refresh(monkeypatch) -> None:
+    """warmup() loads from the cache without Numba's refresh of its
+    registries (_warmup._loads_without_refresh), and leaves the cache's own
+    load as it was."""
+    dispatcher = FakeDispatcher(cached={"int64(int64)"})
+    dispatcher._cache = FakeCache(dispatcher.calls)
+    monkeypatch.setattr(_warmup, "KERNELS", [(dispatcher, ("int64(int64)",))])
+    monkeypatch.setattr(_warmup, "_cached", lambda d, s: s in d.cached)
+    ptrres.warmup(processes=1)
+    assert dispatcher.calls == ["int64(int64)", "load"]
+    dispatcher._cache.load_overload("int64(int64)", None)  # as it was
+    assert dispatcher.calls[2:] == ["refresh", "load"]
 
 
 def test_warmup_says_what_it_loaded_compiled_or_found_ready(monkeypatch) -> None:
@@ -181,13 +217,17 @@ def test_warmup_says_what_it_loaded_compiled_or_found_ready(monkeypatch) -> None
     assert again.count("ready") == 3
 
 
-def test_typing_registries_load_before_the_targets(monkeypatch) -> None:
+@pytest.mark.parametrize("cached", [False, True])
+def test_typing_registries_load_before_the_targets(monkeypatch, cached) -> None:
     """As Numba's compiler does, not as its cache lookup does: kernels type
-    faster with the templates in that order (_warmup._load_registries)."""
-    dispatcher = FakeDispatcher(cached=set())
+    faster with the templates in that order (_warmup._load_registries). When
+    every kernel is in the cache, nothing is compiled and neither loads."""
+    dispatcher = FakeDispatcher(cached={"int64(int64)"} if cached else set())
     monkeypatch.setattr(_warmup, "KERNELS", [(dispatcher, ("int64(int64)",))])
+    monkeypatch.setattr(_warmup, "_cached", lambda d, s: s in d.cached)
     ptrres.warmup(processes=1)
-    assert dispatcher.calls == ["typing", "target", "int64(int64)"]
+    registries = [] if cached else ["typing", "target"]
+    assert dispatcher.calls == [*registries, "int64(int64)"]
 
 
 def test_nowhere_to_cache_compiles_uncached_with_one_warning(monkeypatch) -> None:
@@ -236,6 +276,8 @@ if sys.argv[2] == "no-interpreter":
     sys.executable = "/nonexistent/python"
 forks = ptrres._warmup.can_fork()
 report = ptrres.warmup(processes=int(sys.argv[1]))
+# One of the modules Numba's target refresh imports: what compiling needs.
+registries = "numba.np.linalg" in sys.modules
 counts = {id(d): len(d.overloads) for d, _ in KERNELS}
 for id_dtype in (np.int32, np.int64):
     exercise_every_kernel(id_dtype)
@@ -249,6 +291,7 @@ theirs = reference.resolve_device_pointers(spec, kv)
 grown = [d.__name__ for d, _ in KERNELS if len(d.overloads) != counts[id(d)]]
 print(json.dumps({
     "forks": forks,
+    "registries": registries,
     "processes": report.processes,
     "hows": sorted({k.how for k in report.kernels}),
     "compiled_after": grown,
@@ -275,17 +318,19 @@ def warm_up_in_a_fresh_process(cache: str, processes: int, how: str = "") -> Any
 def test_an_empty_cache_is_filled_by_several_processes(tmp_path, how: str) -> None:
     """Cold: two processes compile (a fork taking from the same queue, or a
     fresh interpreter when other threads run), and what the worker compiled
-    is what this process runs. Warm: everything loads, nothing is spawned."""
+    is what this process runs. Warm: everything loads, nothing is spawned,
+    and Numba's compiling registries are never loaded (the kernels still run
+    right: exercise_every_kernel and the resolve against the reference)."""
     forks = how != "threaded"
     cold = warm_up_in_a_fresh_process(str(tmp_path), 2, how)
     assert cold == {
-        "forks": forks, "processes": 2, "hows": ["compiled"], "compiled_after": [],
-        "same": True,
+        "forks": forks, "registries": True, "processes": 2, "hows": ["compiled"],
+        "compiled_after": [], "same": True,
     }  # fmt: skip
     warm = warm_up_in_a_fresh_process(str(tmp_path), 2, how)
     assert warm == {
-        "forks": forks, "processes": 1, "hows": ["loaded"], "compiled_after": [],
-        "same": True,
+        "forks": forks, "registries": False, "processes": 1, "hows": ["loaded"],
+        "compiled_after": [], "same": True,
     }  # fmt: skip
 
 
@@ -295,8 +340,8 @@ def test_without_a_worker_everything_compiles_here(tmp_path) -> None:
     other threads rule out a fork) costs only time: its share compiles here."""
     report = warm_up_in_a_fresh_process(str(tmp_path), 2, "no-interpreter")
     assert report == {
-        "forks": False, "processes": 1, "hows": ["compiled"], "compiled_after": [],
-        "same": True,
+        "forks": False, "registries": True, "processes": 1, "hows": ["compiled"],
+        "compiled_after": [], "same": True,
     }  # fmt: skip
 
 
