@@ -22,7 +22,7 @@ machine code. For ptrres:
   10% of the cold compile, for the same speed of the compiled kernels.
 - **Both** go through Numba's nopython pipeline less the passes for features
   they never use (closures, literal_unroll, array expressions...) and, without
-  Numba's runtime, less the marking of where variables die: about 12% of a
+  Numba's runtime, less the marking of where variables die: about 10% of a
   cold compile, for the same machine code but for registers and stack slots.
 
 This subclasses Numba internals (JITCodeLibrary and its finalize steps, the JIT
@@ -61,7 +61,7 @@ UNUSED_PASSES = frozenset(
 )
 # And without Numba's runtime: IRLegalization marks where each variable dies,
 # for lowering to release its references there and zero its slot. Without
-# references to release, that is code LLVM deletes again: about 5% of a cold
+# references to release, that is code LLVM deletes again: about 3% of a cold
 # compile. (It also turns some unsupported features into clearer errors.)
 REFCOUNTING_PASSES = frozenset({"IRLegalization"})
 
