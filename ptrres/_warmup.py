@@ -87,10 +87,11 @@ def warmup(*, processes: int | None = None) -> WarmupReport:
     start = time.perf_counter()
     done = []
     with _lock:
-        if _any_uncached():  # else everything loads, which needs none
-            _load_registries()
+        missing = _uncached()
+        if missing or _config.cache_refused is not None:
+            _load_registries()  # else everything loads, which needs none
         parallel = _compile_in_parallel(
-            _usable_cpus() if processes is None else processes
+            missing, _usable_cpus() if processes is None else processes
         )
         for dispatcher, signatures in KERNELS:
             name = getattr(dispatcher, "__name__", repr(dispatcher))
@@ -106,14 +107,15 @@ def warmup(*, processes: int | None = None) -> WarmupReport:
     return WarmupReport(tuple(done), time.perf_counter() - start, processes_used)
 
 
-def _any_uncached() -> bool:
-    """Whether some kernel signature may have to be compiled."""
-    return _config.cache_refused is not None or not all(
-        _cached(dispatcher, signature)
+def _uncached() -> list[tuple[Any, str]]:
+    """The (kernel, signature) pairs that are neither ready nor cached."""
+    return [
+        (dispatcher, signature)
         for dispatcher, signatures in KERNELS
         if hasattr(dispatcher, "compile") and id(dispatcher) not in _closed
         for signature in signatures
-    )
+        if not _cached(dispatcher, signature)
+    ]
 
 
 def _load_registries() -> None:
@@ -197,8 +199,10 @@ for module, name, signature in json.loads(sys.argv[2]):
 WORKER_TIMEOUT = 600.0
 
 
-def _compile_in_parallel(processes: int) -> dict[tuple[int, str], int]:
-    """Compile the uncached kernels in ``processes`` processes at once.
+def _compile_in_parallel(
+    missing: list[tuple[Any, str]], processes: int
+) -> dict[tuple[int, str], int]:
+    """Compile the ``missing`` kernels in ``processes`` processes at once.
 
     Workers compile into Numba's on-disk cache, from which the caller then
     loads what they compiled. Forks of this process (on Linux, when it runs
@@ -217,13 +221,6 @@ def _compile_in_parallel(processes: int) -> dict[tuple[int, str], int]:
     """
     if processes < 2 or _config.cache_refused is not None:
         return {}
-    missing = [
-        (dispatcher, signature)
-        for dispatcher, signatures in KERNELS
-        if hasattr(dispatcher, "compile") and id(dispatcher) not in _closed
-        for signature in signatures
-        if not _cached(dispatcher, signature)
-    ]
     if len(missing) < 2:
         return {}
     if can_fork():
