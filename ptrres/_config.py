@@ -5,6 +5,11 @@ declares the signatures it is ever called with (the wrappers convert input to
 exactly those dtypes); ``warmup()`` compiles them, or loads them from Numba's
 on-disk cache, and then closes the kernel to new specialisations, so that a
 wrong dtype fails loudly instead of compiling in the middle of a serving step.
+
+Numba is used through its documented user API only (``numba.njit`` and its
+documented options, explicit signatures, ``numba.config``, the dispatcher's
+public methods): ptrres runs beside whatever Numba its users' engine pins,
+and Numba's internals change in minor releases.
 """
 
 from __future__ import annotations
@@ -14,9 +19,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numba
-from numba.core.cpu import CPUTargetOptions
-
-from ptrres._compilers import pipelines
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,42 +41,15 @@ JIT_OPTIONS: dict[str, Any] = {
     # fastmath stays off: it buys nothing for integer and pointer code.
 }
 
-# No Numba runtime (NRT): kernels allocate nothing, and the arrays they are
-# given outlive the call, so reference counting them buys nothing. Without it,
-# every array a kernel or helper passes, unpacks or slices lowers to no
-# incref/decref: about 8% less compile time. `_nrt` is Numba's own (private)
-# option: where a Numba does not know it, kernels keep the runtime.
-if hasattr(CPUTargetOptions, "_nrt"):
-    JIT_OPTIONS["_nrt"] = False
-
-# Numba's compilers (ptrres._compilers): kernels optimised once, at O3, and
-# helpers only linked into them. None: Numba's default compiler.
-KERNEL_PIPELINE: Any
-UNROLLED_KERNEL_PIPELINE: Any
-HELPER_PIPELINE: Any
-KERNEL_PIPELINE, UNROLLED_KERNEL_PIPELINE, HELPER_PIPELINE = pipelines(
-    refcounts=JIT_OPTIONS.get("_nrt", True)
-)
-if KERNEL_PIPELINE is not None:
-    JIT_OPTIONS["pipeline_class"] = KERNEL_PIPELINE
-
 # Every kernel, with the signatures it is called with, for warmup().
 KERNELS: list[tuple[Any, tuple[str, ...]]] = []
 
 
-def kernel(*signatures: str, unroll: bool = False) -> Callable[[F], F]:
-    """Compile a function with JIT_OPTIONS, lazily, for the given signatures.
-
-    Args:
-        unroll: have LLVM unroll and interleave the kernel's loops, for
-            kernels whose loops run faster so (ptrres._compilers).
-    """
-    options = dict(JIT_OPTIONS)
-    if unroll and UNROLLED_KERNEL_PIPELINE is not None:
-        options["pipeline_class"] = UNROLLED_KERNEL_PIPELINE
+def kernel(*signatures: str) -> Callable[[F], F]:
+    """Compile a function with JIT_OPTIONS, lazily, for the given signatures."""
 
     def decorate(function: F) -> F:
-        dispatcher = _jit(function, options)
+        dispatcher = _jit(function, JIT_OPTIONS)
         KERNELS.append((dispatcher, signatures))
         return dispatcher
 
@@ -86,16 +61,12 @@ def inline_helper(function: F) -> F:
 
     It is compiled for the types its callers pass and linked into them, so it
     needs no signatures of its own and warmup() does not list it. It gets no
-    wrappers for calls from Python or C, and no cache entry of its own (its
+    wrapper for calls from Python or C, and no cache entry of its own (its
     callers' entries hold its code): with them, each helper cost about twice
-    the compile time. (Numba's IR-level ``inline="always"`` was tried, with
-    and without them: no faster kernels, and more compile time.) Nor does it
-    get LLVM optimisation or machine code of its own, which callers never
-    use: HELPER_PIPELINE only links its IR into theirs.
+    the compile time. (Numba's IR-level ``inline="always"`` was tried: no
+    faster kernels, and more compile time.)
     """
     options = dict(JIT_OPTIONS, cache=False, no_cpython_wrapper=True)
-    if HELPER_PIPELINE is not None:  # else KERNEL_PIPELINE is None too
-        options["pipeline_class"] = HELPER_PIPELINE
     return numba.njit(**options)(function)  # type: ignore[no-any-return]
 
 
@@ -127,18 +98,3 @@ def _jit(function: F, options: dict[str, Any]) -> F:
             )
     uncached = numba.njit(**dict(options, cache=False))
     return uncached(function)  # type: ignore[no-any-return]
-
-
-def _trailing_zeros(value: Any) -> Any:
-    """The zero bits below the lowest set bit of a non-zero uint64."""
-    value = int(value)
-    return (value & -value).bit_length() - 1
-
-
-# Numba's count-trailing-zeros (one instruction) for kernels: an intrinsic,
-# which only compiled code can call, so plain Python gets the fallback above.
-trailing_zeros: Any = _trailing_zeros
-if not numba.config.DISABLE_JIT:  # type: ignore[attr-defined]
-    from numba.cpython.unsafe import numbers as _numbers
-
-    trailing_zeros = _numbers.trailing_zeros

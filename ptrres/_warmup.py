@@ -2,10 +2,18 @@
 
 Numba's compiler is single-threaded and holds a process-wide lock, so on an
 empty cache warmup() compiles the missing kernels in several processes at
-once, as PyTorch Inductor's compile workers do: this process compiles one
-share, forks of it (or fresh interpreters, when it runs other threads) compile
-the others into the on-disk cache, and this process then loads them from it.
-With a warm cache (every later start) nothing is spawned.
+once, as PyTorch Inductor's compile workers do: this process and forks of it
+(or fresh interpreters, when it runs other threads) take the kernels one at a
+time from one queue and compile them into Numba's on-disk cache; this process
+then loads what the others compiled. With a warm cache (every later start)
+nothing is spawned.
+
+Processes that share one cache and start together (tensor-parallel ranks)
+compile each kernel once: a lock file per kernel beside Numba's cache entry
+says who is compiling it, and the others wait for it, then load it.
+
+Only Numba's public API is used: a dispatcher's ``compile()``, ``overloads``,
+``stats`` (its cache directory, hits and misses) and ``disable_compile()``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,11 @@ from typing import Any
 
 from . import _config
 from ._config import KERNELS
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX: no lock files
+    fcntl = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,9 @@ class WarmupReport:
     # Processes that compiled kernels: 1 when this one did it alone (or had
     # nothing to compile), more when an empty cache was filled in parallel.
     processes: int = 1
+    # Where Numba caches the kernels; None when it cannot cache them (they
+    # are then compiled in every process) or runs without the JIT.
+    cache_dir: str | None = None
 
     def count(self, how: str) -> int:
         """Signatures that were made ready this way ("loaded", "compiled"...)."""
@@ -87,145 +103,219 @@ def warmup(*, processes: int | None = None) -> WarmupReport:
     start = time.perf_counter()
     done = []
     with _lock:
-        missing = _uncached()
-        if missing or _config.cache_refused is not None:
-            _load_registries()  # else everything loads, which needs none
-        parallel = _compile_in_parallel(
-            missing, _usable_cpus() if processes is None else processes
-        )
-        for dispatcher, signatures in KERNELS:
+        pending = [
+            index
+            for index, (dispatcher, _) in enumerate(KERNELS)
+            if hasattr(dispatcher, "compile") and index not in _closed
+        ]
+        before = {index: _counts(index) for index in pending}
+        workers = _usable_cpus() if processes is None else processes
+        compiled = _fill_cache(pending, workers)
+        for index, (dispatcher, signatures) in enumerate(KERNELS):
             name = getattr(dispatcher, "__name__", repr(dispatcher))
-            for signature in signatures:
-                how = _make_ready(dispatcher, signature)
-                if (id(dispatcher), signature) in parallel:
+            # A kernel another process is compiling: wait for it, then load it.
+            with _kernel_lock(dispatcher, wait=index in pending):
+                hows = [_make_ready(index, s, before.get(index)) for s in signatures]
+            for signature, how in zip(signatures, hows):
+                if index in compiled:
                     how = "compiled"  # here or by a worker, for this warmup
                 done.append(CompiledKernel(name, signature, how))
             if hasattr(dispatcher, "disable_compile"):
                 dispatcher.disable_compile()
-                _closed.add(id(dispatcher))
-    processes_used = len(set(parallel.values())) or 1
-    return WarmupReport(tuple(done), time.perf_counter() - start, processes_used)
+                _closed.add(index)
+    processes_used = len(set(compiled.values())) or 1
+    seconds = time.perf_counter() - start
+    return WarmupReport(tuple(done), seconds, processes_used, cache_dir())
 
 
-def _uncached() -> list[tuple[Any, str]]:
-    """The (kernel, signature) pairs that are neither ready nor cached."""
-    return [
-        (dispatcher, signature)
-        for dispatcher, signatures in KERNELS
-        if hasattr(dispatcher, "compile") and id(dispatcher) not in _closed
-        for signature in signatures
-        if not _cached(dispatcher, signature)
-    ]
+def cache_dir() -> str | None:
+    """The directory Numba caches ptrres's kernels in, or None if it cannot."""
+    if _config.cache_refused is not None or not KERNELS:
+        return None
+    stats = getattr(KERNELS[0][0], "stats", None)  # None without the JIT
+    return getattr(stats, "cache_path", None)
 
 
-def _load_registries() -> None:
-    """Load Numba's typing registries, then its target's, as its compiler
-    does, before any kernel is compiled (and before any fork).
-
-    A cached kernel's compile() looks in the cache first, which loads the
-    target's registries first; the typing context then gets its templates in
-    another order, in which ptrres's kernels type more slowly: the plan
-    kernel compiled in 1.96 s instead of 1.84 s alone, and in 2.35-2.45 s
-    instead of 1.85-1.90 s in warmup()'s forks.
-    """
-    for dispatcher, _ in KERNELS:
-        if hasattr(dispatcher, "targetctx"):  # not with NUMBA_DISABLE_JIT=1
-            dispatcher.typingctx.refresh()
-            dispatcher.targetctx.refresh()
-            return
-
-
-# Kernels that warmup() has closed to new specialisations (by id).
+# Kernels that warmup() has closed to new specialisations (indices in KERNELS).
 _closed: set[int] = set()
 _lock = threading.Lock()
 
 
-def _make_ready(dispatcher: Any, signature: str) -> str:
-    """Compile or load one signature of a kernel; say which it was."""
+def _counts(index: int) -> tuple[dict[str, int], dict[str, int]]:
+    """A kernel's cache hits and misses so far, by signature."""
+    stats = KERNELS[index][0].stats
+    return dict(stats.cache_hits), dict(stats.cache_misses)
+
+
+def _make_ready(
+    index: int, signature: str, before: tuple[dict[str, int], dict[str, int]] | None
+) -> str:
+    """Compile or load one signature of a kernel; say which it was since
+    ``before``: its _counts() when this warmup began (None: it was closed),
+    which this brings up to date."""
+    dispatcher = KERNELS[index][0]
     if not hasattr(dispatcher, "compile"):  # NUMBA_DISABLE_JIT=1: plain Python
         return "interpreted"
-    if id(dispatcher) in _closed:
+    if before is None:
         return "ready"
-    known = len(dispatcher.overloads)
-    hits = sum(dispatcher.stats.cache_hits.values())
-    with _loads_without_refresh(dispatcher):
-        dispatcher.compile(signature)
-    if len(dispatcher.overloads) == known:
-        return "ready"
-    if sum(dispatcher.stats.cache_hits.values()) > hits:
-        return "loaded"
-    return "compiled"
+    dispatcher.compile(signature)  # loads, or compiles, unless it is in memory
+    hits, misses = _counts(index)
+    how = "ready"
+    if hits.get(signature, 0) > before[0].get(signature, 0):
+        how = "loaded"  # now, or by _fill_cache in this warmup
+    elif misses.get(signature, 0) > before[1].get(signature, 0):
+        how = "compiled"
+    before[0][signature] = hits.get(signature, 0)
+    before[1][signature] = misses.get(signature, 0)
+    return how
+
+
+# The longest warmup() waits for another process to compile a kernel (or a
+# worker to finish) before it compiles the kernel itself.
+WORKER_TIMEOUT = 600.0
+# How often a process waiting for another's compile looks at its lock.
+_POLL_SECONDS = 0.005
 
 
 @contextmanager
-def _loads_without_refresh(dispatcher: Any) -> Iterator[None]:
-    """Within this, a load from Numba's cache skips Numba's refresh.
+def _kernel_lock(dispatcher: Any, *, wait: bool) -> Iterator[bool]:
+    """Hold the lock file of a kernel's cache entry; yield whether it is held.
 
-    Numba refreshes its target context before each load: it imports and
-    installs every typing and lowering registry, and starts its runtime, the
-    first time 0.12 s of a 0.49 s warm start. Compiling needs them; loading
-    a kernel's machine code, compiled without Numba's runtime (_config), and
-    calling it do not. A signature not in the cache still compiles as usual,
-    refresh included. Where Numba's cache differs, or kernels have Numba's
-    runtime, nothing changes.
+    One lock per kernel, not per signature: Numba rewrites a kernel's whole
+    cache index when it saves a signature, so two processes saving two
+    signatures of one kernel at once could lose one. Where nothing can be
+    locked (no cache, a read-only cache, not POSIX), it yields True: the
+    kernel is then compiled as without a lock. ``wait`` gives up after
+    WORKER_TIMEOUT and yields True: nothing is lost but time.
     """
-    cache: Any = getattr(dispatcher, "_cache", None)
-    load = getattr(cache, "_load_overload", None)
-    guard = getattr(cache, "_guard_against_spurious_io_errors", None)
-    if load is None or guard is None or _config.JIT_OPTIONS.get("_nrt", True):
-        yield
-        return
-
-    def load_overload(signature: Any, target_context: Any) -> Any:
-        with guard():  # as Numba's: an unreadable entry is a miss (None)
-            return load(signature, target_context)
-
-    cache.load_overload = load_overload  # this instance only, for now
+    path = _lock_path(dispatcher)
     try:
-        yield
+        if path is None or fcntl is None:
+            raise OSError("nothing to lock")
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield True
+        return
+    try:
+        deadline = time.monotonic() + WORKER_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not wait:
+                    yield False
+                    return
+                if time.monotonic() > deadline:
+                    break  # the holder hangs: compile it anyway
+                time.sleep(_POLL_SECONDS)
+        yield True
     finally:
-        del cache.load_overload
+        os.close(descriptor)  # which releases the lock
 
 
-# A worker: compile the given (module, kernel, signature) triples, which
-# Numba saves to its cache. Its stdout is unused; errors go to its stderr.
-_WORKER = """
-import importlib, json, sys
-sys.path.insert(0, sys.argv[1])
-for module, name, signature in json.loads(sys.argv[2]):
-    getattr(importlib.import_module(module), name).compile(signature)
-"""
-# The longest a worker may take before its share is compiled here instead.
-WORKER_TIMEOUT = 600.0
+def _lock_path(dispatcher: Any) -> str | None:
+    """The lock file of a kernel: in the cache directory, beside its entry."""
+    stats = getattr(dispatcher, "stats", None)
+    directory = getattr(stats, "cache_path", None)
+    if directory is None or _config.cache_refused is not None:
+        return None
+    name = f"{dispatcher.py_func.__module__}.{dispatcher.__name__}"
+    return os.path.join(directory, f"{name}.ptrres-lock")
 
 
-def _compile_in_parallel(
-    missing: list[tuple[Any, str]], processes: int
-) -> dict[tuple[int, str], int]:
-    """Compile the ``missing`` kernels in ``processes`` processes at once.
+def _fill_cache(pending: list[int], processes: int) -> dict[int, int]:
+    """Compile the ``pending`` kernels not in the cache, in ``processes``
+    processes at once: this one and workers (_start_workers).
 
-    Workers compile into Numba's on-disk cache, from which the caller then
-    loads what they compiled. Forks of this process (on Linux, when it runs
-    no other Python thread) start at once, with ptrres and Numba imported,
-    and take the signatures one at a time from a queue this process also
-    takes from: however the guesses of their costs err, the processes end
-    together. Else fresh interpreters each compile a fixed share (_shares),
-    0.6 s later, since a fork would copy whatever locks other threads hold.
-    A worker that cannot start or fails leaves its kernels uncached, and the
-    caller compiles them itself: nothing is lost but time.
+    Every process takes the kernels one at a time, costliest first, from one
+    queue (a pipe). It compiles a kernel if it gets its lock (a cached kernel
+    then loads, which costs little); a kernel another process is compiling
+    is left to it. A worker that cannot start or fails leaves its kernel to
+    this process, which makes every kernel ready afterwards: nothing is lost
+    but time.
 
     Returns:
-        For each (kernel id, signature) compiled in parallel, the process
-        that compiled it: 0 for this one, 1 and up for workers. Empty when
-        everything is left to the caller.
+        For each kernel index compiled here or by a worker, the process that
+        compiled it: 0 for this one, 1 and up for workers.
     """
     if processes < 2 or _config.cache_refused is not None:
         return {}
+    missing = [i for i in pending if not _probably_cached(KERNELS[i][0])]
     if len(missing) < 2:
         return {}
-    if can_fork():
-        return _compile_in_forks(missing, processes)
-    return _compile_in_interpreters(missing, processes)
+    order = sorted(missing, key=lambda i: -_cost(KERNELS[i][0]))
+    queue_out, queue_in = os.pipe()
+    done_out, done_in = os.pipe()
+    # One byte per kernel: reads of one byte from a pipe never interleave.
+    os.write(queue_in, bytes(order[:255]))
+    os.close(queue_in)  # else no reader would ever see the queue end
+    workers = _start_workers(min(processes, len(order), 256) - 1, queue_out, done_in)
+    os.close(done_in)
+    compiled = {}
+    try:
+        for index in chain(_queued(queue_out), order[255:]):
+            if _compile_if_free(index):
+                compiled[index] = 0
+    finally:  # even if a compile here fails: no worker is left behind
+        os.close(queue_out)
+        _reap(workers)
+        with os.fdopen(done_out, "rb") as done:
+            report = done.read()
+    for index, worker in zip(report[::2], report[1::2]):
+        compiled[index] = worker
+    return compiled
+
+
+def _compile_if_free(index: int) -> bool:
+    """Compile (or load) every signature of kernel ``index`` unless another
+    process is compiling it; say whether this one compiled any."""
+    dispatcher, signatures = KERNELS[index]
+    misses: int = sum(dispatcher.stats.cache_misses.values())
+    with _kernel_lock(dispatcher, wait=False) as held:
+        if held:
+            for signature in signatures:
+                dispatcher.compile(signature)
+    return bool(sum(dispatcher.stats.cache_misses.values()) > misses)
+
+
+def _probably_cached(dispatcher: Any) -> bool:
+    """Whether Numba's cache seems to hold a kernel: its index file is there,
+    and newer than the kernel's source.
+
+    Numba names a function's index ``<module>.<function>-<line>.py<XY>.nbi``
+    in its cache directory (``stats.cache_path``). This only decides whether
+    to start workers: an index that lacks a signature (another CPU, say) has
+    it compiled here, as without workers.
+    """
+    directory = dispatcher.stats.cache_path
+    function = dispatcher.py_func
+    module = function.__module__.rpartition(".")[2]
+    prefix = f"{module}.{function.__qualname__}-"
+    suffix = f".py{sys.version_info[0]}{sys.version_info[1]}.nbi"
+    try:
+        source = os.stat(function.__code__.co_filename).st_mtime
+        return any(
+            entry.name.startswith(prefix)
+            and entry.name.endswith(suffix)
+            and entry.stat().st_mtime >= source
+            for entry in os.scandir(directory)
+        )
+    except (OSError, TypeError):  # no cache directory yet, or none at all
+        return False
+
+
+def _serve(queue: int, done: int, worker: int) -> None:
+    """A worker's work: compile queued kernels, report each (index, worker)."""
+    for index in _queued(queue):
+        if _compile_if_free(index):
+            os.write(done, bytes([index, worker]))
+
+
+def _queued(queue: int) -> Iterator[int]:
+    """The indices read one at a time from a queue pipe, until it is empty."""
+    while index := os.read(queue, 1):
+        yield index[0]
 
 
 def can_fork() -> bool:
@@ -239,126 +329,74 @@ def can_fork() -> bool:
     return sys.platform == "linux" and threading.active_count() == 1
 
 
-def _compile_in_forks(
-    missing: list[tuple[Any, str]], processes: int
-) -> dict[tuple[int, str], int]:
-    """Compile ``missing`` here and in forks, each taking the next signature
-    (costliest first) from one pipe until it is empty."""
-    order = sorted(range(len(missing)), key=lambda i: -_cost(missing[i][0]))
-    queue_out, queue_in = os.pipe()
-    done_out, done_in = os.pipe()
-    # One byte per signature: reads of one byte from a pipe never interleave.
-    os.write(queue_in, bytes(order[:255]))
-    os.close(queue_in)  # else no reader would ever see the queue end
-    pids = []
-    # Worker numbers go through the pipe as bytes, too.
-    for worker in range(1, min(processes, len(missing), 256)):
+# An interpreter worker: import ptrres, check that its kernels are this
+# process's, and serve the queue. Errors go to its stderr, which is dropped.
+_WORKER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from ptrres import _warmup
+names = [dispatcher.__name__ for dispatcher, _ in _warmup.KERNELS]
+if names == json.loads(sys.argv[2]):
+    _warmup._serve(*map(int, sys.argv[3:6]))
+"""
+
+
+def _start_workers(count: int, queue: int, done: int) -> list[Any]:
+    """Start up to ``count`` workers serving the queue: forks (os.fork()
+    pids) where can_fork(), else fresh interpreters (Popen objects), which
+    start about 0.6 s later. Those that cannot start are left out."""
+    workers: list[Any] = []
+    names = json.dumps([dispatcher.__name__ for dispatcher, _ in KERNELS])
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for worker in range(1, count + 1):
         try:
-            with warnings.catch_warnings():
-                # Python 3.12 warns of any fork of a process with native
-                # threads, such as numpy's BLAS pool (see can_fork).
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            if can_fork():
+                with warnings.catch_warnings():
+                    # Python 3.12 warns of any fork of a process with native
+                    # threads, such as numpy's BLAS pool (see can_fork).
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    pid = os.fork()
+                if pid == 0:  # a worker: compile, and leave without cleaning up
+                    status = 1
+                    try:
+                        _serve(queue, done, worker)
+                        status = 0
+                    finally:
+                        os._exit(status)
+                workers.append(pid)
+            elif os.name == "posix" and sys.executable:
+                arguments = [package_parent, names, str(queue), str(done), str(worker)]
+                workers.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _WORKER, *arguments],
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        pass_fds=(queue, done),
+                    )
+                )
         except OSError:
             break
-        if pid == 0:  # a worker: compile, and leave without cleaning up
-            status = 1
+    return workers
+
+
+def _reap(workers: list[Any]) -> None:
+    """Wait for every worker to end, killing one that outlives WORKER_TIMEOUT."""
+    deadline = time.monotonic() + WORKER_TIMEOUT
+    for worker in workers:
+        if isinstance(worker, subprocess.Popen):
             try:
-                for i in _queued(queue_out):
-                    missing[i][0].compile(missing[i][1])
-                    os.write(done_in, bytes([i, worker]))
-                status = 0
-            finally:
-                os._exit(status)
-        pids.append(pid)
-    os.close(done_in)
-    compiled = {}
-    try:
-        for i in chain(_queued(queue_out), order[255:]):  # one at a time
-            missing[i][0].compile(missing[i][1])
-            compiled[id(missing[i][0]), missing[i][1]] = 0
-    finally:  # even if a compile here fails: no worker is left behind
-        os.close(queue_out)
-        deadline = time.monotonic() + WORKER_TIMEOUT
-        for pid in pids:
-            while os.waitpid(pid, os.WNOHANG) == (0, 0):
-                if time.monotonic() > deadline:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    break
-                time.sleep(0.005)
-        with os.fdopen(done_out, "rb") as done:
-            report = done.read()
-    for i, worker in zip(report[::2], report[1::2]):
-        dispatcher, signature = missing[i]
-        if _cached(dispatcher, signature):
-            compiled[id(dispatcher), signature] = worker
-    return compiled
-
-
-def _queued(queue: int) -> Iterator[int]:
-    """The indices read one at a time from a queue pipe, until it is empty."""
-    while index := os.read(queue, 1):
-        yield index[0]
-
-
-def _compile_in_interpreters(
-    missing: list[tuple[Any, str]], processes: int
-) -> dict[tuple[int, str], int]:
-    """Compile the first share here, the others in fresh interpreters."""
-    shares = _shares(missing, processes)
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    workers = []
-    for worker, share in enumerate(shares[1:], 1):
-        triples = [(d.py_func.__module__, d.__name__, s) for d, s in share]
-        try:
-            if not sys.executable:
-                raise OSError("no interpreter")
-            process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER, package_parent, json.dumps(triples)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        except OSError:
-            shares[0].extend(share)  # no worker: compiled here after all
+                worker.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
             continue
-        workers.append((worker, process, share))
-    compiled = {}
-    for dispatcher, signature in shares[0]:
-        dispatcher.compile(signature)
-        compiled[id(dispatcher), signature] = 0
-    for worker, process, share in workers:
-        try:
-            process.wait(WORKER_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        for dispatcher, signature in share:
-            if _cached(dispatcher, signature):
-                compiled[id(dispatcher), signature] = worker
-    return compiled
-
-
-def _shares(
-    missing: list[tuple[Any, str]], processes: int
-) -> list[list[tuple[Any, str]]]:
-    """Split the signatures to compile into shares of about equal cost.
-
-    A signature's cost is taken as the bytecode compiled into it: its kernel's
-    and that of every helper it calls, directly or not. Largest first, each
-    goes to the cheapest share; the costliest share comes first, for this
-    process, since a worker also pays for starting an interpreter.
-    """
-    shares: list[list[tuple[Any, str]]] = [
-        [] for _ in range(min(processes, len(missing)))
-    ]
-    totals = [0] * len(shares)
-    for dispatcher, signature in sorted(missing, key=lambda m: -_cost(m[0])):
-        cheapest = totals.index(min(totals))
-        shares[cheapest].append((dispatcher, signature))
-        totals[cheapest] += _cost(dispatcher)
-    return [share for _, share in sorted(zip(totals, shares), key=lambda t: -t[0])]
+        while os.waitpid(worker, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(worker, signal.SIGKILL)
+                os.waitpid(worker, 0)
+                break
+            time.sleep(_POLL_SECONDS)
 
 
 def _cost(dispatcher: Any) -> int:
@@ -377,22 +415,6 @@ def _bytecode(function: Any, seen: set[int]) -> int:
         if helper is not None:
             size += _bytecode(helper, seen)
     return size
-
-
-def _cached(dispatcher: Any, signature: str) -> bool:
-    """Whether Numba's on-disk cache holds this signature of this kernel.
-
-    It reads the kernel's cache index, as Numba does before loading: the key
-    holds the signature, the machine and a hash of the kernel's bytecode.
-    Where Numba's cache cannot be read that way, it answers True: the kernel
-    is then made ready here, as without parallel compilation.
-    """
-    try:
-        cache = dispatcher._cache
-        key = cache._index_key(signature, dispatcher.targetctx.codegen())
-        return key in cache._cache_file._load_index()
-    except Exception:  # another Numba's internals: never worse than serial
-        return True
 
 
 def _usable_cpus() -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ import sys
 import warnings
 from collections import Counter
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import numba
 import numpy as np
@@ -19,7 +18,7 @@ import torch
 from conftest import JIT_DISABLED, random_tensor
 
 import ptrres
-from ptrres import _compilers, _config, _warmup
+from ptrres import _config, _warmup
 from ptrres._config import KERNELS
 
 
@@ -109,17 +108,17 @@ import json, sys
 import numpy as np
 sys.path.insert(0, "tests")
 from test_warmup import exercise_every_kernel
-from numba.core import sigutils
 from ptrres._config import KERNELS
 for id_dtype in (np.int32, np.int64):
     exercise_every_kernel(id_dtype)
 mismatches = []
 for dispatcher, signatures in KERNELS:
-    declared = {sigutils.normalize_signature(s) for s in signatures}
-    declared = {(tuple(args), ret) for args, ret in declared}
-    for args, cres in dispatcher.overloads.items():
-        if (tuple(args), cres.signature.return_type) not in declared:
-            mismatches.append(f"{dispatcher.__name__}{cres.signature}")
+    overloads = dispatcher.overloads.items()
+    lazy = {args: str(cres.signature.return_type) for args, cres in overloads}
+    for signature in signatures:  # a declared signature compiled lazily adds none
+        dispatcher.compile(signature)
+    if len(dispatcher.overloads) != len(lazy) or set(lazy.values()) != {"int64"}:
+        mismatches.append(f"{dispatcher.__name__}: {sorted(map(str, lazy))}")
 print(json.dumps(mismatches))
 """
 
@@ -148,59 +147,25 @@ class FakeDispatcher:
 
     __name__ = "fake_kernel"
 
-    def __init__(self, cached: set[str]) -> None:
+    def __init__(self, cached: set[str], cache_path: str | None = None) -> None:
         self.cached = cached
         self.overloads: dict[str, object] = {}
-        self.stats = SimpleNamespace(cache_hits=Counter())
+        self.stats = SimpleNamespace(
+            cache_path=cache_path, cache_hits=Counter(), cache_misses=Counter()
+        )
+        self.py_func = exercise_every_kernel  # any function of a real module
         self.closed = False
-        self.calls: list[str] = []  # what was asked of it, in order
-        self.typingctx = SimpleNamespace(refresh=lambda: self.calls.append("typing"))
-        self.targetctx = SimpleNamespace(refresh=lambda: self.calls.append("target"))
-        self._cache: FakeCache | None = None  # Numba's on-disk cache, if any
 
     def compile(self, signature: str) -> None:
-        self.calls.append(signature)
-        if self._cache is not None:
-            self._cache.load_overload(signature, self.targetctx)
         if signature not in self.overloads:
             self.overloads[signature] = object()
             if signature in self.cached:
                 self.stats.cache_hits[signature] += 1
+            else:
+                self.stats.cache_misses[signature] += 1
 
     def disable_compile(self) -> None:
         self.closed = True
-
-
-class FakeCache:
-    """Numba's on-disk cache's load: a refresh of Numba's registries, then
-    the load itself."""
-
-    def __init__(self, calls: list[str]) -> None:
-        self.calls = calls
-
-    def load_overload(self, signature: str, target_context: object) -> None:
-        self.calls.append("refresh")
-        self._load_overload(signature, target_context)
-
-    def _load_overload(self, signature: str, target_context: object) -> None:
-        self.calls.append("load")
-
-    def _guard_against_spurious_io_errors(self) -> Any:
-        return contextlib.nullcontext()
-
-
-def test_warmup_loads_without_numbas_refresh(monkeypatch) -> None:
-    """warmup() loads from the cache without Numba's refresh of its
-    registries (_warmup._loads_without_refresh), and leaves the cache's own
-    load as it was."""
-    dispatcher = FakeDispatcher(cached={"int64(int64)"})
-    dispatcher._cache = FakeCache(dispatcher.calls)
-    monkeypatch.setattr(_warmup, "KERNELS", [(dispatcher, ("int64(int64)",))])
-    monkeypatch.setattr(_warmup, "_cached", lambda d, s: s in d.cached)
-    ptrres.warmup(processes=1)
-    assert dispatcher.calls == ["int64(int64)", "load"]
-    dispatcher._cache.load_overload("int64(int64)", None)  # as it was
-    assert dispatcher.calls[2:] == ["refresh", "load"]
 
 
 def test_warmup_says_what_it_loaded_compiled_or_found_ready(monkeypatch) -> None:
@@ -208,26 +173,15 @@ def test_warmup_says_what_it_loaded_compiled_or_found_ready(monkeypatch) -> None
     dispatcher = FakeDispatcher(cached={"int64(int64)"})
     signatures = ("int64(int64)", "int32(int32)", "int64(int64)")
     monkeypatch.setattr(_warmup, "KERNELS", [(dispatcher, signatures)])
+    monkeypatch.setattr(_warmup, "_closed", set())
     report = ptrres.warmup()
     assert [k.how for k in report.kernels] == ["loaded", "compiled", "ready"]
     assert dispatcher.closed
+    assert report.cache_dir is None  # the stand-in has no cache directory
     assert "3 kernel signatures (1 loaded, 1 compiled, 1 ready)" in str(report)
     again = ptrres.warmup()
     assert [k.how for k in again.kernels] == ["ready"] * 3
     assert again.count("ready") == 3
-
-
-@pytest.mark.parametrize("cached", [False, True])
-def test_typing_registries_load_before_the_targets(monkeypatch, cached) -> None:
-    """As Numba's compiler does, not as its cache lookup does: kernels type
-    faster with the templates in that order (_warmup._load_registries). When
-    every kernel is in the cache, nothing is compiled and neither loads."""
-    dispatcher = FakeDispatcher(cached={"int64(int64)"} if cached else set())
-    monkeypatch.setattr(_warmup, "KERNELS", [(dispatcher, ("int64(int64)",))])
-    monkeypatch.setattr(_warmup, "_cached", lambda d, s: s in d.cached)
-    ptrres.warmup(processes=1)
-    registries = [] if cached else ["typing", "target"]
-    assert dispatcher.calls == [*registries, "int64(int64)"]
 
 
 def test_nowhere_to_cache_compiles_uncached_with_one_warning(monkeypatch) -> None:
@@ -258,6 +212,62 @@ def test_nowhere_to_cache_compiles_uncached_with_one_warning(monkeypatch) -> Non
     assert "NUMBA_CACHE_DIR" in str(caught[0].message)
     assert _config.cache_refused is not None
     assert options_seen == [True, False, False]  # the second never tries to cache
+    assert _warmup.cache_dir() is None
+    assert _warmup._lock_path(FakeDispatcher(set(), "/tmp")) is None  # no lock either
+
+
+def test_a_kernel_locked_by_another_process_is_left_to_it(tmp_path, monkeypatch):
+    """The lock file of a kernel's cache entry: held, another holder is
+    refused or waits; a holder that never lets go is waited for only
+    WORKER_TIMEOUT; a cache without a directory locks nothing."""
+    dispatcher = FakeDispatcher(set(), str(tmp_path))
+    with _warmup._kernel_lock(dispatcher, wait=False) as held:
+        assert held
+        assert os.listdir(tmp_path) == ["test_warmup.fake_kernel.ptrres-lock"]
+        with _warmup._kernel_lock(dispatcher, wait=False) as second:
+            assert not second
+        monkeypatch.setattr(_warmup, "WORKER_TIMEOUT", 0.05)
+        with _warmup._kernel_lock(dispatcher, wait=True) as waited:
+            assert waited  # gave up waiting: compiled as without a lock
+    with _warmup._kernel_lock(dispatcher, wait=False) as again:
+        assert again  # released when its holder was done
+    no_cache = FakeDispatcher(set(), None)
+    with _warmup._kernel_lock(no_cache, wait=False) as unlocked:
+        assert unlocked
+    read_only = FakeDispatcher(set(), str(tmp_path / "missing"))
+    with _warmup._kernel_lock(read_only, wait=False) as unlocked:
+        assert unlocked
+
+
+def test_a_kernel_being_compiled_elsewhere_is_not_compiled_here(tmp_path, monkeypatch):
+    """_compile_if_free() skips a kernel whose lock another process holds,
+    and says whether it compiled (not loaded) what it took."""
+    cached = FakeDispatcher({"int64(int64)"}, str(tmp_path))
+    fresh = FakeDispatcher(set(), str(tmp_path))
+    fresh.__name__ = "fresh_kernel"
+    kernels = [(cached, ("int64(int64)",)), (fresh, ("int64(int64)",))]
+    monkeypatch.setattr(_warmup, "KERNELS", kernels)
+    assert not _warmup._compile_if_free(0)  # loaded: nothing compiled
+    with _warmup._kernel_lock(fresh, wait=False):
+        assert not _warmup._compile_if_free(1)
+    assert fresh.overloads == {}
+    assert _warmup._compile_if_free(1)
+    assert list(fresh.overloads) == ["int64(int64)"]
+
+
+def test_a_kernel_seems_cached_when_its_index_is_newer_than_its_source(tmp_path):
+    """Whether to start workers: the kernel's Numba index file is there, and
+    newer than its source (an edited kernel recompiles)."""
+    dispatcher = FakeDispatcher(set(), str(tmp_path))
+    assert not _warmup._probably_cached(dispatcher)
+    version = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    index = tmp_path / f"test_warmup.exercise_every_kernel-27.{version}.nbi"
+    index.write_bytes(b"")
+    assert _warmup._probably_cached(dispatcher)
+    source = os.stat(__file__).st_mtime
+    os.utime(index, (source - 10, source - 10))
+    assert not _warmup._probably_cached(dispatcher)
+    assert not _warmup._probably_cached(FakeDispatcher(set(), None))
 
 
 PARALLEL = """
@@ -276,8 +286,6 @@ if sys.argv[2] == "no-interpreter":
     sys.executable = "/nonexistent/python"
 forks = ptrres._warmup.can_fork()
 report = ptrres.warmup(processes=int(sys.argv[1]))
-# One of the modules Numba's target refresh imports: what compiling needs.
-registries = "numba.np.linalg" in sys.modules
 counts = {id(d): len(d.overloads) for d, _ in KERNELS}
 for id_dtype in (np.int32, np.int64):
     exercise_every_kernel(id_dtype)
@@ -291,26 +299,40 @@ theirs = reference.resolve_device_pointers(spec, kv)
 grown = [d.__name__ for d, _ in KERNELS if len(d.overloads) != counts[id(d)]]
 print(json.dumps({
     "forks": forks,
-    "registries": registries,
     "processes": report.processes,
     "hows": sorted({k.how for k in report.kernels}),
+    "compiled": sorted({k.kernel for k in report.kernels if k.how == "compiled"}),
     "compiled_after": grown,
     "same": ours.ptrs.tolist() == theirs.ptrs.tolist(),
 }))
 """
+KERNEL_NAMES = sorted(
+    {getattr(dispatcher, "__name__", "") for dispatcher, _ in KERNELS}
+)
 
 
-def warm_up_in_a_fresh_process(cache: str, processes: int, how: str = "") -> Any:
-    """warmup(processes=...) in a fresh interpreter caching into ``cache``."""
-    result = subprocess.run(
-        [sys.executable, "-c", PARALLEL, str(processes), how],
-        env=dict(os.environ, NUMBA_CACHE_DIR=cache),
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def warm_up_in_fresh_processes(
+    cache: str, processes: int, how: str = "", ranks: int = 1
+) -> list[Any]:
+    """warmup(processes=...) in ``ranks`` fresh interpreters started at once,
+    caching into ``cache``; what each printed."""
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", PARALLEL, str(processes), how],
+            env=dict(os.environ, NUMBA_CACHE_DIR=cache),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(__file__)),
+        )
+        for _ in range(ranks)
+    ]
+    results = []
+    for process in started:
+        out, err = process.communicate()
+        assert process.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
 
 @pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
@@ -318,19 +340,19 @@ def warm_up_in_a_fresh_process(cache: str, processes: int, how: str = "") -> Any
 def test_an_empty_cache_is_filled_by_several_processes(tmp_path, how: str) -> None:
     """Cold: two processes compile (a fork taking from the same queue, or a
     fresh interpreter when other threads run), and what the worker compiled
-    is what this process runs. Warm: everything loads, nothing is spawned,
-    and Numba's compiling registries are never loaded (the kernels still run
-    right: exercise_every_kernel and the resolve against the reference)."""
+    is what this process runs. Warm: everything loads, nothing is spawned
+    (the kernels still run right: exercise_every_kernel and the resolve
+    against the reference)."""
     forks = how != "threaded"
-    cold = warm_up_in_a_fresh_process(str(tmp_path), 2, how)
+    [cold] = warm_up_in_fresh_processes(str(tmp_path), 2, how)
     assert cold == {
-        "forks": forks, "registries": True, "processes": 2, "hows": ["compiled"],
-        "compiled_after": [], "same": True,
+        "forks": forks, "processes": 2, "hows": ["compiled"],
+        "compiled": KERNEL_NAMES, "compiled_after": [], "same": True,
     }  # fmt: skip
-    warm = warm_up_in_a_fresh_process(str(tmp_path), 2, how)
+    [warm] = warm_up_in_fresh_processes(str(tmp_path), 2, how)
     assert warm == {
-        "forks": forks, "registries": False, "processes": 1, "hows": ["loaded"],
-        "compiled_after": [], "same": True,
+        "forks": forks, "processes": 1, "hows": ["loaded"],
+        "compiled": [], "compiled_after": [], "same": True,
     }  # fmt: skip
 
 
@@ -338,102 +360,23 @@ def test_an_empty_cache_is_filled_by_several_processes(tmp_path, how: str) -> No
 def test_without_a_worker_everything_compiles_here(tmp_path) -> None:
     """A worker that cannot start (no interpreter to run, in a process whose
     other threads rule out a fork) costs only time: its share compiles here."""
-    report = warm_up_in_a_fresh_process(str(tmp_path), 2, "no-interpreter")
+    [report] = warm_up_in_fresh_processes(str(tmp_path), 2, "no-interpreter")
     assert report == {
-        "forks": False, "registries": True, "processes": 1, "hows": ["compiled"],
-        "compiled_after": [], "same": True,
+        "forks": False, "processes": 1, "hows": ["compiled"],
+        "compiled": KERNEL_NAMES, "compiled_after": [], "same": True,
     }  # fmt: skip
 
 
-def test_shares_split_every_signature_once() -> None:
-    """Largest first, each to the cheapest share; never more shares than work."""
-    if JIT_DISABLED:
-        pytest.skip("kernels are plain functions without the JIT")
-    missing = [(d, s) for d, signatures in KERNELS for s in signatures]
-    for processes in (2, 3, len(missing) + 5):
-        shares = _warmup._shares(missing, processes)
-        assert len(shares) == min(processes, len(missing))
-        assert all(shares)
-        assert sorted((id(d), s) for share in shares for d, s in share) == sorted(
-            (id(d), s) for d, s in missing
-        )
-
-
-def test_unreadable_cache_counts_as_cached() -> None:
-    """An object whose cache cannot be read is left to the serial path."""
-    assert _warmup._cached(FakeDispatcher(cached=set()), "int64(int64)")
-
-
-def test_kernel_loops_unroll_only_where_asked(monkeypatch) -> None:
-    """Kernels' LLVM options: Numba's level and loop vectoriser, loops
-    unrolled and interleaved only for kernels that ask (the resolver)."""
-    import llvmlite.binding as llvm
-
-    tuning = _compilers._tuning_options(llvm)
-    assert tuning is not None
-    plain, unrolled = tuning(False), tuning(True)
-    assert (plain.loop_unrolling, plain.loop_interleaving) == (False, False)
-    assert (unrolled.loop_unrolling, unrolled.loop_interleaving) == (True, True)
-    assert plain.loop_vectorization
-    assert unrolled.loop_vectorization
-    assert plain.speed_level == unrolled.speed_level == 3
-    monkeypatch.setattr(numba.config, "OPT", 0)  # NUMBA_OPT=0 still applies
-    assert tuning(False).speed_level == 0
-
-
 @pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
-@pytest.mark.parametrize("refcounts", [False, True])
-def test_kernels_skip_the_passes_they_do_not_need(refcounts: bool) -> None:
-    """Numba's pipeline runs less the passes for features ptrres never uses,
-    and less the marking of variables' deaths only without reference counts;
-    what remains still types and lowers a function that runs."""
-    from numba.core import compiler
-
-    kernel_compiler, _, _ = _compilers.pipelines(refcounts=refcounts)
-    options = {"pipeline_class": kernel_compiler, "_nrt": refcounts}
-    add_one = numba.njit(**options)(lambda x: x + 1)
-    assert add_one(41) == 42
-    [overload] = add_one.overloads.values()
-    [times] = overload.metadata["pipeline_times"].values()
-    ran = {key.split("_", 1)[1] for key in times}
-
-    def names(passes: frozenset[str]) -> set[str]:
-        return {getattr(compiler, name)._name for name in passes}
-
-    assert {"nopython_type_inference", "native_lowering"} <= ran
-    assert not ran & names(_compilers.UNUSED_PASSES)
-    assert (names(_compilers.REFCOUNTING_PASSES) <= ran) == refcounts
-
-
-@pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
-def test_inline_helpers_are_compiled_into_callers_only() -> None:
-    """A helper, and a helper's helper, run inside their caller; the JIT
-    engine never generates code for them on their own, and the caller's
-    library is a kernel's, optimised once (see ptrres._compilers). A Numba
-    whose internals changed would make the pipelines None and every function
-    a plain njit one: this says so."""
-    assert _config.HELPER_PIPELINE is not None
-    assert _config.KERNEL_PIPELINE is not None
-    assert _config.JIT_OPTIONS["pipeline_class"] is _config.KERNEL_PIPELINE
-
-    @_config.inline_helper
-    def triple(value: int) -> int:
-        return value * 3
-
-    @_config.inline_helper
-    def triple_plus_one(value: int) -> int:
-        return triple(value) + 1
-
-    def twice_that(value: int) -> int:
-        return triple_plus_one(value) * 2
-
-    caller = numba.njit(**dict(_config.JIT_OPTIONS, cache=False))(twice_that)
-    assert caller(5) == 32
-    for helper in (triple, triple_plus_one):
-        (compiled,) = cast(Any, helper).overloads.values()
-        engine = compiled.library.codegen._engine
-        assert not engine.is_symbol_defined(compiled.fndesc.llvm_func_name)
-    (compiled,) = caller.overloads.values()
-    engine = compiled.library.codegen._engine
-    assert engine.is_symbol_defined(compiled.fndesc.llvm_func_name)
-    assert type(compiled.library).__name__ == "KernelLibrary"
+def test_ranks_starting_together_compile_each_kernel_once(tmp_path) -> None:
+    """Four processes on one empty cache (tensor-parallel ranks starting at
+    once) all end ready and right, and between them compile every kernel
+    exactly once: the others wait for its lock, then load it. A fifth then
+    loads everything and compiles nothing."""
+    ranks = warm_up_in_fresh_processes(str(tmp_path), 2, ranks=4)
+    assert all(r["same"] and r["compiled_after"] == [] for r in ranks)
+    compiled = sorted(name for r in ranks for name in r["compiled"])
+    assert compiled == KERNEL_NAMES
+    assert all(set(r["hows"]) <= {"compiled", "loaded"} for r in ranks)
+    [fifth] = warm_up_in_fresh_processes(str(tmp_path), 2)
+    assert (fifth["hows"], fifth["compiled"], fifth["same"]) == (["loaded"], [], True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._config import inline_helper, kernel, trailing_zeros
+from .._config import inline_helper, kernel
 from .common import (
     BASE_PTR,
     OFF_BASE_PTR,
@@ -28,6 +28,7 @@ from .common import (
     lesser,
     overlaps,
     rows_of,
+    trailing_zeros,
 )
 
 # A descriptor or a run of them: (src or device ptr, dst or offloaded ptr, size).

@@ -132,3 +132,28 @@ def rows_of(tables: Any, ref: Any) -> Any:
         offloaded_refs[ref, OFF_NUM_CHUNKS],
     )
     return ref_row, off_row
+
+
+# trailing_zeros(): 0x077CB531 is a de Bruijn sequence B(2, 5): multiplying
+# it by 2**k (k < 32) puts a distinct 5-bit pattern in bits 27-31, and the
+# table gives k back. The product stays below 2**58, so uint64 never wraps
+# (numpy would warn where the kernels run without the JIT).
+DE_BRUIJN_32 = np.uint64(0x077CB531)
+DE_BRUIJN_32_POSITIONS = np.zeros(32, np.uint64)
+for _bit in range(32):
+    DE_BRUIJN_32_POSITIONS[((0x077CB531 << _bit) & 0xFFFFFFFF) >> 27] = _bit
+LOW_HALF = np.uint64(2**32 - 1)
+
+
+@inline_helper
+def trailing_zeros(value: np.uint64) -> np.uint64:
+    """The zero bits below the lowest set bit of a non-zero uint64.
+
+    Branch-free: the lowest set bit 2**k, moved into the low half when k >= 32,
+    then a de Bruijn multiply of 32-bit words (DE_BRUIJN_32).
+    """
+    lowest = value & (~value + ONE)  # 2**k; ~value < 2**64 - 1 as value != 0
+    high_half = np.uint64(lowest > LOW_HALF) << np.uint64(5)  # 32 or 0
+    word = lowest >> high_half
+    pattern = ((word * DE_BRUIJN_32) & LOW_HALF) >> np.uint64(27)
+    return high_half + DE_BRUIJN_32_POSITIONS[pattern]

@@ -22,10 +22,8 @@ from .common import (
 _IDS = ("int32[::1]", "int64[::1]")
 
 
-# Unrolled: its loops run up to 1.37x faster so (ptrres._compilers).
 @kernel(
     *(f"int64({TABLE}, {ids}, int64[::1], uint64[::1], uint64[::1])" for ids in _IDS),
-    unroll=True,
 )
 def resolve_kernel(
     ref_table: IntArray,
