@@ -10,8 +10,12 @@ directory, so nothing is loaded from an earlier compilation:
 - start-up: ``import ptrres; ptrres.warmup(); first resolve`` in a fresh
   process, on an empty cache (cold) and on the cache a first process filled
   (warm), median of ``--rounds`` processes each.
+- ranks: ``--ranks`` such processes started at once on one empty cache, as
+  tensor-parallel workers start: the wall time until the last is done, how
+  many kernels each compiled (each should be compiled once in all), and a
+  further process on the cache they filled, which should load every kernel.
 
-Run: PYTHONPATH=$PWD python benchmarks/compile_times.py [--rounds 5]
+Run: PYTHONPATH=$PWD python benchmarks/compile_times.py [--rounds 5] [--ranks 4]
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+
+from ptrres._config import KERNELS
 
 PER_KERNEL = """
 import json, time
@@ -52,16 +59,28 @@ print(time.perf_counter() - start, report.count("loaded"), report.count("compile
 """
 
 
-def run(code: str, cache_dir: str) -> str:
-    """Run ``code`` in a fresh interpreter caching into ``cache_dir``."""
+def run(code: str, cache_dir: str, processes: int = 1) -> list[str]:
+    """Run ``code`` in ``processes`` fresh interpreters started at once,
+    caching into ``cache_dir``; the last line each printed."""
     env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
     env.pop("NUMBA_DISABLE_JIT", None)
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True
-    )
-    if result.returncode:
-        raise SystemExit(result.stderr)
-    return result.stdout.strip().splitlines()[-1]
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(processes)
+    ]
+    lines = []
+    for process in started:
+        out, err = process.communicate()
+        if process.returncode:
+            raise SystemExit(err)
+        lines.append(out.strip().splitlines()[-1])
+    return lines
 
 
 def per_kernel(rounds: int) -> list[tuple[str, str, float]]:
@@ -69,7 +88,7 @@ def per_kernel(rounds: int) -> list[tuple[str, str, float]]:
     samples: dict[tuple[str, str], list[float]] = {}
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as cache:
-            for name, signature, seconds in json.loads(run(PER_KERNEL, cache)):
+            for name, signature, seconds in json.loads(run(PER_KERNEL, cache)[0]):
                 samples.setdefault((name, signature), []).append(seconds)
     return [(n, s, statistics.median(t)) for (n, s), t in samples.items()]
 
@@ -79,16 +98,29 @@ def startup(rounds: int) -> tuple[float, float]:
     cold = []
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as cache:
-            cold.append(float(run(STARTUP, cache).split()[0]))
+            cold.append(float(run(STARTUP, cache)[0].split()[0]))
     with tempfile.TemporaryDirectory() as cache:
         run(STARTUP, cache)  # fills the cache
-        warm = [float(run(STARTUP, cache).split()[0]) for _ in range(rounds)]
+        warm = [float(run(STARTUP, cache)[0].split()[0]) for _ in range(rounds)]
     return statistics.median(cold), statistics.median(warm)
+
+
+def ranks(count: int) -> tuple[float, list[int], int]:
+    """``count`` processes at once on one empty cache, then one more: the
+    wall time of the first ``count``, what each compiled, and what the last
+    compiled."""
+    with tempfile.TemporaryDirectory() as cache:
+        start = time.perf_counter()
+        lines = run(STARTUP, cache, count)
+        seconds = time.perf_counter() - start
+        after = int(run(STARTUP, cache)[0].split()[2])
+    return seconds, [int(line.split()[2]) for line in lines], after
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ranks", type=int, default=4)
     args = parser.parse_args()
     rows = per_kernel(args.rounds)
     width = max(len(name) for name, _, _ in rows)
@@ -101,6 +133,14 @@ def main() -> None:
         f"import + warmup() + first resolve, median of {args.rounds} processes: "
         f"cold cache {cold:.3f} s, warm cache {warm:.3f} s"
     )
+    if args.ranks:
+        seconds, compiled, after = ranks(args.ranks)
+        print(
+            f"{args.ranks} processes at once on one empty cache: {seconds:.3f} s "
+            f"until the last was ready; signatures each compiled {compiled} "
+            f"(of {sum(len(s) for _, s in KERNELS)}); a process after them "
+            f"compiled {after}"
+        )
 
 
 if __name__ == "__main__":

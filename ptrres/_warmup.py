@@ -295,12 +295,13 @@ def _probably_cached(dispatcher: Any) -> bool:
     suffix = f".py{sys.version_info[0]}{sys.version_info[1]}.nbi"
     try:
         source = os.stat(function.__code__.co_filename).st_mtime
-        return any(
-            entry.name.startswith(prefix)
-            and entry.name.endswith(suffix)
-            and entry.stat().st_mtime >= source
-            for entry in os.scandir(directory)
-        )
+        with os.scandir(directory) as entries:
+            return any(
+                entry.name.startswith(prefix)
+                and entry.name.endswith(suffix)
+                and entry.stat().st_mtime >= source
+                for entry in entries
+            )
     except (OSError, TypeError):  # no cache directory yet, or none at all
         return False
 
