@@ -77,19 +77,7 @@ class Offloaded(NamedTuple):
 def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> DevicePointers:
     """ptr = base + block_id * row_stride_bytes, for every group, ref and block."""
     layout = _read_kv_caches(kv_caches)
-    raw_ids, raw_sizes, raw_indices = _attributes(
-        device_spec, ("block_ids", "group_sizes", "block_indices"), "device_spec"
-    )
-    block_ids = _block_ids(raw_ids, "block_ids")
-    group_sizes = _per_group(raw_sizes, "group_sizes", "group size", len(layout))
-    total = sum(group_sizes.tolist())  # exact: a numpy sum wraps around 2**64
-    if total != len(block_ids):
-        raise SpecError(
-            f"group sizes sum to {total} but there are {len(block_ids)} block ids"
-        )
-    block_indices = tuple(
-        _per_group(raw_indices, "block_indices", "block index", len(layout)).tolist()
-    )
+    block_ids, group_sizes, block_indices = _read_spec(device_spec, len(layout))
 
     num_ops = sum(int(n) * len(refs) for n, refs in zip(group_sizes, layout))
     ptrs = np.empty(num_ops, dtype=np.uint64)
@@ -433,11 +421,17 @@ def _read_kv_caches(kv_caches: Any) -> list[list[Ref]]:
     return layout
 
 
-def _read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[Offloaded]:
-    """The offloaded tensors (each as is, or as the .tensor of an entry)."""
-    bpc = _as_int(blocks_per_chunk, "blocks_per_chunk")
+def _blocks_per_chunk(value: Any) -> int:
+    """Device blocks per offloaded chunk: an int >= 1 (and < 2**63)."""
+    bpc = _as_int(value, "blocks_per_chunk")
     if not 1 <= bpc < 2**63:
         raise LayoutError(f"blocks_per_chunk must be >= 1 and < 2**63, got {bpc}")
+    return bpc
+
+
+def _read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[Offloaded]:
+    """The offloaded tensors (each as is, or as the .tensor of an entry)."""
+    bpc = _blocks_per_chunk(blocks_per_chunk)
     offloaded = []
     for t, entry in enumerate(_as_list(tensors, "offloaded tensors")):
         try:
@@ -485,13 +479,38 @@ def _offloaded_of_refs(
     return of_refs
 
 
+def _read_spec(
+    device_spec: Any, n_groups: int
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64], tuple[int, ...]]:
+    """A spec's block ids, group sizes (int64) and block indices, checked."""
+    raw_ids, raw_sizes, raw_indices = _attributes(
+        device_spec, ("block_ids", "group_sizes", "block_indices"), "device_spec"
+    )
+    block_ids = _block_ids(raw_ids, "block_ids")
+    group_sizes = _per_group(raw_sizes, "group_sizes", "group size", n_groups)
+    total = sum(group_sizes.tolist())  # exact: a numpy sum wraps around 2**64
+    if total != len(block_ids):
+        raise SpecError(
+            f"group sizes sum to {total} but there are {len(block_ids)} block ids"
+        )
+    block_indices = tuple(
+        _per_group(raw_indices, "block_indices", "block index", n_groups).tolist()
+    )
+    return block_ids, group_sizes, block_indices
+
+
 def _block_ids(values: Any, what: str) -> npt.NDArray[Any]:
-    """Ids as a 1-D int32 or int64 array (other integer dtypes become int64)."""
+    """Ids as a 1-D int32 or int64 array (other integer dtypes become int64).
+
+    Whatever its length, an array (or a tensor) must be of an integer dtype:
+    only a sequence without a dtype of its own, such as ``[]``, which numpy
+    reads as float64, may be empty and of no integer type.
+    """
     try:
         ids = np.asarray(values)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InputTypeError(f"{what} is not an integer array: {exc}") from None
-    if ids.size == 0 and ids.dtype.kind == "f":
+    if ids.size == 0 and ids.dtype.kind == "f" and not hasattr(values, "dtype"):
         ids = ids.astype(np.int64)  # numpy reads [] as float64
     if ids.dtype.kind not in "iu":
         raise InputTypeError(f"{what} must be integers, got dtype {ids.dtype}")
@@ -529,7 +548,10 @@ def _per_group(values: Any, what: str, entry: str, n_groups: int) -> npt.NDArray
             )
         if array.ndim != 1:
             raise InputTypeError(f"{what} must be 1-D, got shape {array.shape}")
-        if array.size == 0:
+        # No entries: fine if integers, or a sequence without a dtype of its own.
+        if array.size == 0 and (
+            array.dtype.kind in "iu" or not hasattr(values, "dtype")
+        ):
             array = np.zeros(0, np.int64)
         if array.dtype.kind not in "iu":
             raise InputTypeError(f"{what} must be integers, got {values!r}")
@@ -805,7 +827,7 @@ def _canonical_plans(
     src_pitch, dst_pitch) arrays."""
     if type(store) is not bool:
         raise InputTypeError(f"store must be True or False, got {store!r}")
-    bpc = int(blocks_per_chunk)
+    bpc = _blocks_per_chunk(blocks_per_chunk)
     device = [
         _tensor_rows(t, f"tensors[{i}].tensor") for i, t in enumerate(kv_caches.tensors)
     ]
@@ -813,10 +835,10 @@ def _canonical_plans(
         _tensor_rows(t, f"offloaded_tensors[{i}]")
         for i, t in enumerate(offloaded_tensors)
     ]
-    block_ids = np.asarray(device_spec.block_ids).astype(np.int64)
-    chunk_ids = np.asarray(offloaded_ids).astype(np.int64)
-    group_sizes = [int(n) for n in device_spec.group_sizes]
-    block_indices = [int(i) for i in device_spec.block_indices]
+    spec = _read_spec(device_spec, len(kv_caches.group_data_refs))
+    block_ids = spec[0].astype(np.int64)
+    group_sizes, block_indices = spec[1].tolist(), list(spec[2])
+    chunk_ids = _block_ids(offloaded_ids, "offloaded_ids").astype(np.int64)
     n_chunks = [0 if n == 0 else -(-(n + i % bpc) // bpc) for n, i in
                 zip(group_sizes, block_indices)]  # fmt: skip
     if len(chunk_ids) != sum(n_chunks):
