@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import (
+from .._errors import (
     BlockIdError,
     InputTypeError,
     LayoutError,
@@ -31,7 +31,7 @@ from ._errors import (
     PtrresError,
     SpecError,
 )
-from ._results import (
+from .._results import (
     DevicePointerGroupInfo,
     DevicePointers,
     FilePlan,
