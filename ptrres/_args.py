@@ -91,7 +91,7 @@ def as_block_ids(block_ids: Any, what: str = "block_ids") -> npt.NDArray[Any]:
             ids = np.asarray(block_ids)
         except (TypeError, ValueError, OverflowError) as exc:
             raise InputTypeError(f"{what} is not an integer array: {exc}") from None
-        if ids.size == 0 and ids.dtype.kind == "f":
+        if ids.size == 0 and ids.dtype.kind == "f" and not hasattr(block_ids, "dtype"):
             ids = ids.astype(np.int64)  # numpy reads [] as float64
     if ids.dtype.kind not in "iu":
         raise InputTypeError(f"{what} must be integers, got dtype {ids.dtype}")
@@ -166,7 +166,7 @@ def _as_int_array(values: Any, what: str) -> npt.NDArray[np.int64]:
         )
     if array.ndim != 1:
         raise InputTypeError(f"{what} must be 1-D, got shape {array.shape}")
-    if array.size == 0:
+    if array.size == 0 and (array.dtype.kind in "iu" or not hasattr(values, "dtype")):
         return np.zeros(0, np.int64)
     if array.dtype.kind not in "iu":
         raise InputTypeError(f"{what} must be integers, got {values!r}")

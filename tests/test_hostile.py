@@ -11,7 +11,10 @@ the out= buffers that were passed: every input array and tensor is compared
 with a copy, and out= buffers are views into larger arrays whose other bytes
 are compared too. After each example, a good call still works.
 
-HYPOTHESIS_PROFILE=long runs 100_000 examples per test.
+Each test also runs explicit examples of empty input (no ids, no ops, no
+groups) first: an empty array is checked as any other (issue 23).
+
+HYPOTHESIS_PROFILE=long runs 100_000 random examples per test.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_tensor
-from hypothesis import given
+from hypothesis import example, given
 from test_plans import PlanCase, plan_cases
 
 import ptrres
@@ -412,7 +415,9 @@ class Guarded:
     # How each buffer was made (for failure reports).
     kinds: list[str] = field(default_factory=list)
     # (parent array, its bytes before the call, view's first byte, view's bytes)
-    parents: list[tuple[np.ndarray, bytes, int, int]] = field(default_factory=list)
+    parents: list[tuple[np.ndarray, bytes, int, int]] = field(
+        default_factory=list, repr=False
+    )
 
     def check(self, n_ops: int | None) -> None:
         """Only each view's bytes may change (its first n_ops entries, if known)."""
@@ -490,6 +495,25 @@ def out_buffers(draw: Any, n_ops: int, count: int) -> Guarded:
         guarded.out = 3
     else:
         guarded.out = tuple(buffers)
+    return guarded
+
+
+def empty_out(count: int, *, aliased: bool = False, read_only: bool = False) -> Guarded:
+    """``count`` out= buffers of no entries, views between guarded bytes.
+
+    Aliased buffers (one view passed ``count`` times) share no byte they would
+    be written to: ptrres must take them. Read-only ones it must refuse.
+    """
+    guarded = Guarded(None, kinds=["empty"] * count)
+    buffers = []
+    for _ in range(1 if aliased else count):
+        parent = np.full(2 * GUARD, 77, np.int64)
+        view = parent[GUARD:GUARD]
+        if read_only:
+            view.flags.writeable = False
+        guarded.parents.append((parent, parent.tobytes(), 8 * GUARD, 0))
+        buffers.append(view)
+    guarded.out = tuple(buffers * count if aliased else buffers)
     return guarded
 
 
@@ -713,11 +737,80 @@ def closed_kernels() -> None:
     ptrres.warmup()
 
 
-@given(plan_cases(), st.data())
-def test_hostile_resolve(case: PlanCase, data: st.DataObject) -> None:
-    kv = data.draw(hostile_layouts(case.kv_caches), "kv_caches")
-    spec = data.draw(hostile_specs(case.spec), "spec")
-    guarded = data.draw(out_buffers(case.num_ops, 2), "out")
+# Layouts of the empty examples: one int8 tensor of 4 blocks of 16 bytes, its
+# groups with no ref or one; and issue 23's, one (1, 1) tensor and no ref.
+def example_layout(*refs_per_group: int) -> ptrres.CanonicalKVCaches:
+    return ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(random_tensor(4, 16, 0, torch.int8, 0), 16)],
+        [[ptrres.CanonicalKVCacheRef(0, 16)] * n for n in refs_per_group],
+    )
+
+
+ISSUE_23_LAYOUT = ptrres.CanonicalKVCaches(
+    [ptrres.CanonicalKVCacheTensor(random_tensor(1, 1, 0, torch.int8, 0), 1)], [[]]
+)
+ONE_REF = example_layout(1)
+NO_GROUPS = example_layout()
+# Offloaded tensors for ONE_REF: 3 chunks of 2 sub-blocks of 16 bytes.
+EXAMPLE_OFFLOADED = [random_tensor(3, 32, 0, torch.int8, 100)]
+
+
+def no_blocks(block_ids: Any = (), **fields: Any) -> SimpleNamespace:
+    """A spec of one group without blocks; ``fields`` replace its parts."""
+    return namespace(
+        **{"block_ids": block_ids, "group_sizes": [0], "block_indices": [0], **fields}
+    )
+
+
+@dataclass
+class ResolveCall:
+    """A hostile resolve: a layout, a spec and out= buffers."""
+
+    kv: Any
+    spec: Any
+    guarded: Guarded
+
+
+@st.composite
+def hostile_resolves(draw: Any) -> ResolveCall:
+    case = draw(plan_cases())
+    return ResolveCall(
+        draw(hostile_layouts(case.kv_caches)),
+        draw(hostile_specs(case.spec)),
+        draw(out_buffers(case.num_ops, 2)),
+    )
+
+
+@given(hostile_resolves())
+# Issue 23's draw: numpy's float32 of no ids is no integer array either.
+@example(
+    ResolveCall(ISSUE_23_LAYOUT, no_blocks(np.array([], np.float32)), Guarded(None))
+)
+@example(ResolveCall(ONE_REF, no_blocks(np.array([], np.float64)), empty_out(2)))
+@example(ResolveCall(ONE_REF, no_blocks(torch.zeros(0)), Guarded(None)))
+@example(ResolveCall(ONE_REF, no_blocks(np.array([], bool)), Guarded(None)))
+@example(ResolveCall(ONE_REF, no_blocks(np.zeros((0, 1), np.int64)), Guarded(None)))
+# [] has no dtype of its own (numpy reads it as float64): no ids, accepted.
+@example(ResolveCall(ONE_REF, no_blocks([]), empty_out(2, aliased=True)))
+@example(ResolveCall(ONE_REF, no_blocks(range(0)), empty_out(2, read_only=True)))
+# No groups: their sizes and indices are checked as the ids are.
+@example(ResolveCall(NO_GROUPS, no_blocks(group_sizes=np.array([])), Guarded(None)))
+@example(
+    ResolveCall(
+        NO_GROUPS,
+        no_blocks(
+            group_sizes=np.array([], np.uint64), block_indices=np.array([], "U4")
+        ),
+        Guarded(None),
+    )
+)
+@example(
+    ResolveCall(
+        NO_GROUPS, no_blocks(group_sizes=(), block_indices=range(0)), empty_out(2)
+    )
+)
+def test_hostile_resolve(call_: ResolveCall) -> None:
+    kv, spec, guarded = call_.kv, call_.spec, call_.guarded
     inputs = snapshot(spec.block_ids if hasattr(spec, "block_ids") else None)
     inputs += snapshot(getattr(kv, "tensors", None))
 
@@ -766,11 +859,40 @@ def hostile_device_pointers(draw: Any, device_ptrs: ptrres.DevicePointers) -> An
     return namespace(**hostile)
 
 
-@given(plan_cases(), st.data())
-def test_hostile_iter_pointer_groups(case: PlanCase, data: st.DataObject) -> None:
+@st.composite
+def hostile_pointer_groups(draw: Any) -> tuple[Any, Any]:
+    """Device pointers (perhaps corrupted) and a blocks_per_chunk."""
+    case = draw(plan_cases())
     device_ptrs = reference.resolve_device_pointers(case.spec, case.kv_caches)
-    hostile = data.draw(hostile_device_pointers(device_ptrs), "device_ptrs")
-    bpc = data.draw(st.one_of(st.integers(1, 9), scalars(9)), "blocks_per_chunk")
+    return (
+        draw(hostile_device_pointers(device_ptrs)),
+        draw(st.one_of(st.integers(1, 9), scalars(9))),
+    )
+
+
+def no_groups(**fields: Any) -> SimpleNamespace:
+    """Device pointers of no groups; ``fields`` replace their parts."""
+    empty = np.zeros(0, np.uint64)
+    return namespace(
+        **{
+            "ptrs": empty,
+            "sizes": empty,
+            "group_block_counts": (),
+            "group_data_ref_counts": (),
+            "block_indices": (),
+            **fields,
+        }
+    )
+
+
+@given(hostile_pointer_groups())
+# Counts are read one by one: no counts of any dtype are no groups.
+@example((no_groups(group_block_counts=np.array([])), 2))
+@example((no_groups(block_indices=np.array([], "U4")), 1))
+@example((no_groups(), 0))
+@example((no_groups(), 1.0))
+def test_hostile_iter_pointer_groups(pointer_groups: tuple[Any, Any]) -> None:
+    hostile, bpc = pointer_groups
     expected = call_reference(lambda: list(reference.iter_pointer_groups(hostile, bpc)))
     actual = call(lambda: list(ptrres.iter_pointer_groups(hostile, bpc)))
     assert_same(actual, expected)
@@ -829,25 +951,72 @@ def expected_plan(
     return call_reference(plan)
 
 
-@given(plan_cases(), st.data())
-def test_hostile_plan_transfer(case: PlanCase, data: st.DataObject) -> None:
-    kv = data.draw(hostile_layouts(case.kv_caches), "kv_caches")
-    spec = data.draw(hostile_specs(case.spec), "spec")
-    tensors, bpc = data.draw(hostile_offloaded(case), "offloaded")
-    ids = data.draw(
+@dataclass
+class PlanCall:
+    """A hostile plan_transfer: every argument, and out= buffers."""
+
+    kv: Any
+    spec: Any
+    tensors: Any
+    bpc: Any
+    ids: Any
+    store: Any = True
+    merge: Any = False
+    max_run_bytes: Any = None
+    guarded: Guarded = field(default_factory=lambda: Guarded(None))
+
+
+@st.composite
+def hostile_plans(draw: Any) -> PlanCall:
+    case = draw(plan_cases())
+    kv = draw(hostile_layouts(case.kv_caches))
+    spec = draw(hostile_specs(case.spec))
+    tensors, bpc = draw(hostile_offloaded(case))
+    ids = draw(
         st.one_of(
             st.just(case.offloaded_ids),
             one_bad_id(case.offloaded_ids),
             arrays_like(case.offloaded_ids.tolist()),
-        ),
-        "offloaded_ids",
+        )
     )
-    store = data.draw(st.one_of(st.booleans(), st.sampled_from([0, 1, None])), "store")
-    merge = data.draw(st.one_of(st.booleans(), st.sampled_from([1, "yes"])), "merge")
-    max_run_bytes = data.draw(
-        st.one_of(st.none(), st.integers(1, 200), scalars(200)), "max_run_bytes"
+    return PlanCall(
+        kv,
+        spec,
+        tensors,
+        bpc,
+        ids,
+        store=draw(st.one_of(st.booleans(), st.sampled_from([0, 1, None]))),
+        merge=draw(st.one_of(st.booleans(), st.sampled_from([1, "yes"]))),
+        max_run_bytes=draw(st.one_of(st.none(), st.integers(1, 200), scalars(200))),
+        guarded=draw(out_buffers(case.num_ops, 3)),
     )
-    guarded = data.draw(out_buffers(case.num_ops, 3), "out")
+
+
+def empty_plan(ids: Any = (), spec: Any = None, **fields: Any) -> PlanCall:
+    """A plan of ONE_REF without blocks: no ids, ``ids`` as offloaded ids."""
+    spec = no_blocks(np.zeros(0, np.int64)) if spec is None else spec
+    return PlanCall(ONE_REF, spec, EXAMPLE_OFFLOADED, 2, ids, **fields)
+
+
+@given(hostile_plans())
+# Issue 23's case for offloaded ids: a float32 array of none is refused.
+@example(empty_plan(np.array([], np.float32)))
+@example(empty_plan(np.array([], np.float64), merge=True, guarded=empty_out(3)))
+@example(empty_plan(torch.zeros(0), store=False))
+@example(empty_plan(np.array([], object)))
+@example(empty_plan([], no_blocks(np.array([], np.float32))))
+@example(empty_plan([], no_blocks(torch.zeros(0)), merge=True, max_run_bytes=8))
+# Valid and empty: the reference's empty plan, into empty out= buffers too.
+@example(empty_plan([], guarded=empty_out(3, aliased=True)))
+@example(empty_plan(np.array([], np.int8), merge=True, guarded=empty_out(3)))
+@example(empty_plan((), guarded=empty_out(3, read_only=True)))
+@example(empty_plan(range(0), merge=True, max_run_bytes=0))
+def test_hostile_plan_transfer(call_: PlanCall) -> None:
+    kv, spec, tensors, bpc, ids = (
+        call_.kv, call_.spec, call_.tensors, call_.bpc, call_.ids
+    )  # fmt: skip
+    store, merge, max_run_bytes = call_.store, call_.merge, call_.max_run_bytes
+    guarded = call_.guarded
     inputs = snapshot(spec.block_ids if hasattr(spec, "block_ids") else None, ids)
     inputs += snapshot(getattr(kv, "tensors", None), tensors)
 
@@ -958,12 +1127,59 @@ def expected_from_pointers(
     )
 
 
-@given(plan_cases(), st.data())
-def test_hostile_plan_from_device_pointers(case: PlanCase, data: st.DataObject) -> None:
+@dataclass
+class FromPointersCall:
+    """A valid transfer, its resolved pointers, and those pointers perhaps
+    corrupted."""
+
+    case: PlanCase
+    device_ptrs: ptrres.DevicePointers
+    hostile: Any
+    store: bool
+    merge: bool
+
+
+@st.composite
+def hostile_from_pointers(draw: Any) -> FromPointersCall:
+    case = draw(plan_cases())
     device_ptrs = reference.resolve_device_pointers(case.spec, case.kv_caches)
-    hostile = data.draw(hostile_device_pointers(device_ptrs), "device_ptrs")
-    store = data.draw(st.booleans(), "store")
-    merge = data.draw(st.booleans(), "merge")
+    return FromPointersCall(
+        case,
+        device_ptrs,
+        draw(hostile_device_pointers(device_ptrs)),
+        draw(st.booleans()),
+        draw(st.booleans()),
+    )
+
+
+def no_ops(
+    kv: ptrres.CanonicalKVCaches,
+    group_sizes: list[int],
+    offloaded_ids: list[int],
+    merge: bool = False,
+    **fields: Any,
+) -> FromPointersCall:
+    """Pointers of no ops for ``kv`` (groups without blocks, or without refs);
+    ``fields`` replace their parts (the counts stay the resolved objects)."""
+    spec = ptrres.GPULoadStoreSpec(
+        np.zeros(sum(group_sizes), np.int64), group_sizes, [1] * len(group_sizes)
+    )
+    case = PlanCase(kv, EXAMPLE_OFFLOADED, 2, spec, np.array(offloaded_ids, np.int64))
+    device_ptrs = reference.resolve_device_pointers(spec, kv)
+    hostile = namespace(**{**vars(device_ptrs), **fields})  # the same objects
+    return FromPointersCall(case, device_ptrs, hostile, True, merge)
+
+
+@given(hostile_from_pointers())
+@example(no_ops(ONE_REF, [0], []))
+@example(no_ops(ONE_REF, [0], [], True, ptrs=np.zeros(0, np.int64)))
+@example(no_ops(ONE_REF, [0], [], sizes=np.zeros(0, np.float64)))
+@example(no_ops(ONE_REF, [0], [], ptrs=np.zeros((0, 1), np.uint64)))
+# A group of blocks but no refs: no ops, and yet two chunks to cover.
+@example(no_ops(example_layout(0), [3], [0, 2], True))
+def test_hostile_plan_from_device_pointers(call_: FromPointersCall) -> None:
+    case, device_ptrs, hostile = call_.case, call_.device_ptrs, call_.hostile
+    store, merge = call_.store, call_.merge
     table = ptrres.PointerTable(case.kv_caches)
     inputs = snapshot(
         *(getattr(hostile, name, None) for name in ("ptrs", "sizes")),
@@ -1040,13 +1256,33 @@ def hostile_descriptors(draw: Any) -> tuple[Any, Any, Any]:
     return result[0], result[1], result[2]
 
 
-@given(hostile_descriptors(), st.data())
-def test_hostile_coalesce(descriptors: Any, data: st.DataObject) -> None:
-    max_run_bytes = data.draw(
-        st.one_of(st.none(), st.integers(1, 200), scalars(200)), "max_run_bytes"
-    )
+@st.composite
+def hostile_coalesces(draw: Any) -> tuple[Any, Any, Guarded]:
+    """Descriptors, a max_run_bytes and out= buffers."""
+    descriptors = draw(hostile_descriptors())
+    max_run_bytes = draw(st.one_of(st.none(), st.integers(1, 200), scalars(200)))
     n = len(descriptors[2]) if np.ndim(descriptors[2]) == 1 else 0
-    guarded = data.draw(out_buffers(n, 3), "out")
+    return descriptors, max_run_bytes, draw(out_buffers(n, 3))
+
+
+NO_DESCRIPTORS = np.zeros(0, np.uint64)
+
+
+@given(hostile_coalesces())
+@example(
+    ((np.array([], np.float32), NO_DESCRIPTORS, NO_DESCRIPTORS), None, empty_out(3))
+)
+@example(((NO_DESCRIPTORS, NO_DESCRIPTORS, np.array([], bool)), 8, Guarded(None)))
+@example(
+    ((NO_DESCRIPTORS, np.zeros((0, 2), np.int64), NO_DESCRIPTORS), None, Guarded(None))
+)
+@example(((NO_DESCRIPTORS, NO_DESCRIPTORS, []), None, Guarded(None)))
+@example(((NO_DESCRIPTORS,) * 3, 0, empty_out(3)))
+@example(((NO_DESCRIPTORS,) * 3, 1.5, Guarded(None)))
+@example(((NO_DESCRIPTORS,) * 3, None, empty_out(3, aliased=True)))
+@example(((np.zeros(0, np.int64),) * 3, 2**64, empty_out(3, read_only=True)))
+def test_hostile_coalesce(call_: tuple[Any, Any, Guarded]) -> None:
+    descriptors, max_run_bytes, guarded = call_
     inputs = snapshot(*descriptors)
     expected = call_reference(
         reference.coalesce, *descriptors, max_run_bytes=max_run_bytes

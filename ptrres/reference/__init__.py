@@ -1,0 +1,36 @@
+"""Plain-numpy reference: what ptrres computes, written for clarity.
+
+This package is the oracle of the test suite and the baseline of the
+benchmarks. It follows vLLM's numpy resolver in shape (one vectorised
+expression per group and ref), adds the checks of SPEC section 7, and reads
+every tensor's geometry on every call, as vLLM does.
+
+It shares nothing with the compiled path but the error classes and the result
+types: it reads each tensor itself (data pointer, ``stride(0) *
+element_size()``, rows) and checks its input in its own plain code, so that a
+geometry or validation bug of the compiled path shows as a difference. Its
+error messages are worded as the compiled path's (the tests check that they
+agree).
+
+One module per capability, each importing nothing of ptrres but its errors
+and result types: _resolve (resolve_device_pointers, iter_pointer_groups),
+_plans (plan_transfer), _coalesce, _files (plan_file_ops), _canonical
+(plan_canonical_transfer, plan_strided_transfer), and _input, the input
+checks they share.
+"""
+
+from ._canonical import plan_canonical_transfer, plan_strided_transfer
+from ._coalesce import coalesce
+from ._files import plan_file_ops
+from ._plans import plan_transfer
+from ._resolve import iter_pointer_groups, resolve_device_pointers
+
+__all__ = [
+    "coalesce",
+    "iter_pointer_groups",
+    "plan_canonical_transfer",
+    "plan_file_ops",
+    "plan_strided_transfer",
+    "plan_transfer",
+    "resolve_device_pointers",
+]
