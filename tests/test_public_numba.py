@@ -8,6 +8,7 @@ them, so that the rule holds after whoever wrote it.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,17 @@ def test_public_use_is_not_flagged(tmp_path: Path) -> None:
         "    return dispatcher.stats.cache_path, numba.config.DISABLE_JIT\n"
     )
     assert violations(module) == []
+
+
+def test_the_declared_numba_range_is_the_tested_range() -> None:
+    """pyproject.toml's lower bound is the lowest numba .ci/numba-matrix runs,
+    which also runs vLLM's pin; there is no upper cap (CI runs the newest)."""
+    root = PACKAGE.parent
+    pyproject = (root / "pyproject.toml").read_text()
+    [requirement] = re.findall(r'"numba([<>=!~][^"]*)"', pyproject)
+    matrix = (root / ".ci" / "numba-matrix").read_text()
+    [defaults] = re.findall(r"versions=\(([\d. ]+)\)", matrix)
+    tested = sorted(defaults.split(), key=lambda v: tuple(map(int, v.split("."))))
+    assert requirement == f">={tested[0]}"
+    assert "0.65.0" in tested  # vLLM 0.30-0.33 pin it
+    assert "\n.ci/numba-matrix\n" in (root / ".ci" / "run").read_text()
