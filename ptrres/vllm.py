@@ -39,9 +39,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from . import (
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
     OffloadedLayout,
     PointerTable,
     WarmupReport,
@@ -448,7 +451,10 @@ def _attach_plan(handler: Any, *, warm_up: bool = False) -> _HandlerPlan | None:
             raise AttributeError(f"the handler has no {', '.join(missing)}")
         if warm_up:
             _warm_up_kernels()
-        plan: _HandlerPlan | str = _handler_plan(handler)
+        built = _handler_plan(handler)
+        if warm_up:
+            _rehearse(handler, built)
+        plan: _HandlerPlan | str = built
     except Exception as error:
         _reporter().warning(
             "ptrres: this %s keeps vLLM's own transfers: %s",
@@ -521,6 +527,32 @@ def _handler_plan(handler: Any) -> _HandlerPlan:
         offloaded=offloaded,
         coalesce=_coalesce_requested()
         and handler._swap_blocks_batch is worker.ops.swap_blocks_batch,
+    )
+
+
+def _rehearse(handler: Any, plan: _HandlerPlan) -> None:
+    """Plan block 0 of each group, into scratch buffers, as a transfer would.
+
+    The first call of a kernel with given argument types still costs Numba
+    some typing in Python, and under numpy 2 its first look at an array
+    imports numpy.ma (26 ms, measured): paid here, the first transfer takes
+    the path of every later one. Block 0 and chunk 0 exist in every layout;
+    the plan only computes pointers, into buffers of vLLM's own kind (int64,
+    uint64 on XPU), and copies nothing.
+    """
+    num_groups = len(handler.layer_refs_per_group)
+    # int32 ids, as vLLM's specs hold them; one chunk per (non-empty) group.
+    block_ids = np.zeros(num_groups, np.int32)
+    spec = GPULoadStoreSpec(block_ids, [1] * num_groups, [0] * num_groups)
+    num_copy_ops = max(_max_copy_ops(handler, spec), 1)
+    buffers = sys.modules[WORKER_MODULE]._new_descriptor_buffers(num_copy_ops)
+    plan.table.plan_transfer(
+        spec,
+        plan.offloaded,
+        block_ids.copy(),
+        store=handler.gpu_to_cpu,
+        out=tuple(t.numpy() for t in buffers),
+        coalesce=plan.coalesce,
     )
 
 
