@@ -1,18 +1,28 @@
-"""`ptrres bench` and `ptrres explain`, end to end, and the model presets."""
+"""`ptrres bench`, `explain`, `warmup` and `check`, end to end, and the model
+presets."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import io
 import itertools
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numba
 import pytest
 
 import ptrres
-from ptrres._cli import main
+from ptrres._cli import _check, main
+from ptrres._config import KERNELS
 from ptrres.bench import PRESETS, VirtualTensor
+
+ROOT = Path(__file__).resolve().parents[1]
 
 KiB = 1024
 
@@ -154,3 +164,276 @@ def test_version_is_the_package_version() -> None:
     from importlib.metadata import version
 
     assert ptrres.__version__ == version("ptrres")
+
+
+# --- `ptrres warmup` and `ptrres check` -----------------------------------------
+
+JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
+SIGNATURES = sum(len(signatures) for _, signatures in KERNELS)
+
+
+def test_warmup_says_what_it_made_ready_and_where_the_cache_is(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = main(["warmup", "--processes", "1"])
+    text = capsys.readouterr().out
+    if JIT_DISABLED:
+        assert status == 1
+        assert "NUMBA_DISABLE_JIT is set" in text
+        return
+    assert status == 0
+    first, *rows = text.splitlines()
+    assert re.fullmatch(
+        rf"ptrres warmup: {SIGNATURES} kernel signatures \(.*\) in \d+\.\d\d s", first
+    )
+    counted = {}
+    for row in rows[:-2]:
+        how, count, names = row.split(maxsplit=2)
+        counted[how] = int(count)
+        assert set(re.sub(r" \(\d+\)", "", names).split(", ")) <= {
+            d.__name__ for d, _ in KERNELS
+        }
+    assert sum(counted.values()) == SIGNATURES
+    assert set(counted) <= {"compiled", "loaded", "ready"}
+    cache = KERNELS[0][0].stats.cache_path
+    assert rows[-2].startswith(f"Numba's cache: {cache} (NUMBA_CACHE_DIR")
+    assert "on another CPU model the kernels compile again" in rows[-1]
+
+
+def test_warmup_exits_non_zero_where_nothing_can_be_cached(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ptrres import _config
+
+    monkeypatch.setattr(_config, "cache_refused", "no locator available")
+    assert main(["warmup"]) == 1
+    text = capsys.readouterr().out
+    assert "Set NUMBA_CACHE_DIR to a writable directory" in text
+    if not JIT_DISABLED:
+        assert "Numba cannot cache here (no locator available)" in text
+
+
+def test_warmup_refuses_a_processes_count_below_one() -> None:
+    with pytest.raises(SystemExit, match="at least 1"):
+        main(["warmup", "--processes", "0"])
+
+
+def test_the_warmup_command_runs_in_a_fresh_process(tmp_path: Path) -> None:
+    """`python -m ptrres warmup` on an empty cache, then again: what it
+    compiled the first time, it loads the second."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-m", "ptrres", "warmup"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            check=False,
+        )
+        for _ in range(2)
+    ]
+    if JIT_DISABLED:
+        assert [run.returncode for run in runs] == [1, 1]
+        return
+    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr
+    assert f"({SIGNATURES} compiled)" in runs[0].stdout
+    assert f"({SIGNATURES} loaded)" in runs[1].stdout
+    assert f"Numba's cache: {tmp_path}" in runs[1].stdout
+
+
+def check(*argv: str) -> tuple[int, dict[str, tuple[str, str]], str]:
+    """`ptrres check`'s exit status, its findings by topic, and its text."""
+    out = io.StringIO()
+    status = _check(out, kernels="--no-kernels" not in argv)
+    text = out.getvalue()
+    findings = {}
+    for line in text.splitlines()[1:-1]:
+        status_word, rest = line.split(maxsplit=1)
+        topic, detail = re.split(r"\s{2,}", rest, maxsplit=1)
+        findings[topic] = (status_word, detail)
+    return status, findings, text
+
+
+@pytest.fixture
+def vllm_env(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """vLLM installed, ptrres's entry point visible to it, switches unset."""
+    pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker")
+    for name in ("PTRRES_VLLM", "PTRRES_VLLM_COALESCE", "VLLM_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    ours = importlib.metadata.EntryPoint(
+        "ptrres", "ptrres.vllm:register", "vllm.general_plugins"
+    )
+    real = importlib.metadata.entry_points
+
+    def entry_points(**selection: Any) -> Any:
+        if selection.get("group") == "vllm.general_plugins":
+            return [ours]
+        return real(**selection)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    return monkeypatch
+
+
+def test_check_says_the_plugin_will_patch(vllm_env: Any) -> None:
+    status, findings, text = check("--no-kernels")
+    import vllm
+
+    assert status == 0, text
+    assert text.splitlines()[-1] == (
+        "The plugin will patch vLLM in every process vLLM starts."
+    )
+    assert findings["vLLM"][0] == "ok"
+    assert findings["vLLM"][1].startswith(f"{vllm.__version__}, a tested release")
+    assert findings["entry point"] == (
+        "ok",
+        "ptrres = ptrres.vllm:register in vllm.general_plugins",
+    )
+    assert findings["VLLM_PLUGINS"][0] == "ok"
+    assert findings["patches"] == (
+        "ok",
+        "SingleDirectionOffloadingHandler.__init__, "
+        "SingleDirectionOffloadingHandler.transfer_async",
+    )
+    assert findings["PTRRES_VLLM"][1].startswith("unset: the plugin is on")
+    assert findings["PTRRES_VLLM_COALESCE"][1].startswith("unset: coalescing off")
+    assert findings["numba"] == ("ok", numba.__version__)
+    if JIT_DISABLED:
+        assert findings["Numba cache"][0] == "warn"
+        assert "NUMBA_DISABLE_JIT" in findings["Numba cache"][1]
+    else:
+        assert findings["Numba cache"] == (
+            "ok",
+            f"{KERNELS[0][0].stats.cache_path} (NUMBA_CACHE_DIR unset), writable"
+            if "NUMBA_CACHE_DIR" not in os.environ
+            else f"{KERNELS[0][0].stats.cache_path} "
+            f"(NUMBA_CACHE_DIR={os.environ['NUMBA_CACHE_DIR']}), writable",
+        )
+    assert "kernels" not in findings  # --no-kernels
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "topic"),
+    [
+        ("PTRRES_VLLM", "0", "PTRRES_VLLM"),
+        ("PTRRES_VLLM", "off", "PTRRES_VLLM"),
+        ("VLLM_PLUGINS", "lora_filesystem_resolver", "VLLM_PLUGINS"),
+    ],
+)
+def test_check_names_the_switch_that_keeps_the_plugin_off(
+    variable: str, value: str, topic: str, vllm_env: Any
+) -> None:
+    vllm_env.setenv(variable, value)
+    status, findings, text = check("--no-kernels")
+    assert status == 1
+    assert findings[topic][0] in ("off", "no")
+    assert text.splitlines()[-1] == f"The plugin will not patch vLLM: {topic}."
+
+
+def test_check_with_coalescing_on(vllm_env: Any) -> None:
+    vllm_env.setenv("PTRRES_VLLM_COALESCE", "1")
+    status, findings, _ = check("--no-kernels")
+    assert status == 0
+    assert findings["PTRRES_VLLM_COALESCE"][1].startswith("1: coalescing on")
+
+
+def test_check_without_the_entry_point(vllm_env: Any) -> None:
+    vllm_env.setattr(importlib.metadata, "entry_points", lambda **selection: [])
+    status, findings, _ = check("--no-kernels")
+    assert status == 1
+    assert findings["entry point"] == (
+        "no",
+        "none in vllm.general_plugins: install ptrres into vLLM's environment",
+    )
+
+
+@pytest.mark.parametrize("version", ["0.40.0", None])
+def test_check_on_an_untested_or_missing_vllm(
+    version: str | None, vllm_env: Any
+) -> None:
+    real = importlib.metadata.version
+
+    def fake_version(name: str) -> str:
+        if name != "vllm":
+            return real(name)
+        if version is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version
+
+    vllm_env.setattr(importlib.metadata, "version", fake_version)
+    status, findings, text = check("--no-kernels")
+    assert status == 1
+    expected = "not installed here" if version is None else "0.40.0, not a tested"
+    assert findings["vLLM"][0] == "no"
+    assert findings["vLLM"][1].startswith(expected)
+    assert "(tested: 0.30.x, 0.31.x, 0.32.x, 0.33.x)" in text or version
+    assert "patches" not in findings
+
+
+def test_check_names_a_handler_that_changed(vllm_env: Any) -> None:
+    from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+
+    def transfer_async(self: Any, job_id: int, spec: Any) -> bool:
+        return True
+
+    vllm_env.setattr(SingleDirectionOffloadingHandler, "transfer_async", transfer_async)
+    status, findings, _ = check("--no-kernels")
+    assert status == 1
+    assert findings["patches"][0] == "no"
+    assert "transfer_async has the signature" in findings["patches"][1]
+
+
+def test_check_finds_a_cold_cache_then_a_warm_one(
+    vllm_env: Any, tmp_path: Path
+) -> None:
+    """A fresh interpreter warms up: on an empty cache it compiles (and fills
+    the cache), the next check loads everything."""
+    vllm_env.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    cold = check()
+    warm = check()
+    for status, findings, text in (cold, warm):
+        assert status == 0, text
+        if not JIT_DISABLED:
+            assert findings["Numba cache"][1].startswith(f"{tmp_path}")
+    if JIT_DISABLED:
+        assert "kernels" not in cold[1]
+        return
+    assert cold[1]["kernels"][0] == "warn"
+    assert cold[1]["kernels"][1].startswith(
+        f"cold: {SIGNATURES} of {SIGNATURES} signatures compiled, into the cache"
+    )
+    assert warm[1]["kernels"][0] == "ok"
+    assert warm[1]["kernels"][1].startswith(
+        f"warm: {SIGNATURES} of {SIGNATURES} signatures loaded"
+    )
+
+
+def test_check_reports_a_numba_cache_dir_numba_passed_over(
+    vllm_env: Any, tmp_path: Path
+) -> None:
+    """A NUMBA_CACHE_DIR that cannot be made (a file is in the way): Numba
+    silently caches elsewhere (or nowhere), and the check says so."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    vllm_env.setenv("NUMBA_CACHE_DIR", str(blocker / "cache"))
+    status, findings, _ = check("--no-kernels")
+    assert status == 0  # the plugin still patches
+    if JIT_DISABLED:
+        return
+    state, detail = findings["Numba cache"]
+    assert state == "warn"
+    assert "NUMBA_CACHE_DIR is not used (Not a directory)" in detail or (
+        detail.startswith("none: ")
+    )
+    assert str(blocker / "cache") not in detail.split(" (NUMBA_CACHE_DIR=")[0]
+
+
+def test_a_writable_folder_is_told_from_one_that_cannot_be_made(
+    tmp_path: Path,
+) -> None:
+    from ptrres._cli import _writable
+
+    assert _writable(str(tmp_path / "new" / "cache")) is None
+    assert (tmp_path / "new" / "cache").is_dir()
+    (tmp_path / "file").write_text("")
+    assert _writable(str(tmp_path / "file" / "cache")) is not None
