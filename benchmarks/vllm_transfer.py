@@ -299,11 +299,9 @@ def check_same_descriptors(
 def first_transfer_child() -> dict[str, float]:
     """In a fresh interpreter: what building a patched handler and its first
     transfer cost, against later calls and vLLM's own (seconds)."""
-    start = time.perf_counter()
     import vllm.plugins
 
     vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call]
-    plugins = time.perf_counter() - start
     assert plugin.is_patched(), "vLLM's loader did not patch (is ptrres installed?)"
     stub_vllm()
     start = time.perf_counter()
@@ -327,7 +325,6 @@ def first_transfer_child() -> dict[str, float]:
     handler_for("llama-3.1-8b", True)
     vllm_constructor = time.perf_counter() - start
     return {
-        "plugins": plugins,
         "constructor": constructor,
         "vllm_constructor": vllm_constructor,
         "first": first,
@@ -343,11 +340,11 @@ def first_transfer_table(rounds: int) -> None:
         "16 blocks x 32 layers, in fresh processes\n"
     )
     print(
-        "| Numba cache | load_general_plugins | patched constructor "
+        "| Numba cache | patched constructor "
         "| vLLM's constructor | first transfer_async | later calls "
         "| vLLM's own, unpatched |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PTRRES_VLLM")}
     with tempfile.TemporaryDirectory() as scratch:
         warm_cache = os.path.join(scratch, "warm")
@@ -369,7 +366,7 @@ def first_transfer_table(rounds: int) -> None:
                     raise SystemExit(result.stderr)
                 t = json.loads(result.stdout.splitlines()[-1])
                 print(
-                    f"| {state} | {t['plugins']:.2f} s | {t['constructor']:.3f} s "
+                    f"| {state} | {t['constructor']:.3f} s "
                     f"| {t['vllm_constructor'] * 1e3:.1f} ms "
                     f"| {t['first'] * 1e3:.2f} ms | {t['later'] * 1e3:.3f} ms "
                     f"| {t['vllm'] * 1e3:.3f} ms |",
