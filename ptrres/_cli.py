@@ -474,7 +474,7 @@ def _warmup(processes: int | None, out: TextIO) -> int:
         return 1
     report = warmup(processes=processes)
     out.write(_describe_warmup(report) + "\n")
-    for how in ("compiled", "loaded", "ready"):
+    for how in ("compiled", "loaded", "ready", "interpreted"):
         kernels = [k.kernel for k in report.kernels if k.how == how]
         if kernels:
             names = ", ".join(
@@ -713,6 +713,11 @@ def _numba_findings(*, kernels: bool) -> list[Finding]:
         probe = _run_probe(kernels=kernels)
     except (OSError, RuntimeError) as error:
         return [Finding("warn", "kernels", str(error))]
+    return probe_findings(probe)
+
+
+def probe_findings(probe: dict[str, Any]) -> list[Finding]:
+    """`ptrres check`'s findings about Numba, from a numba_probe() report."""
     findings = [Finding("ok", "numba", probe["numba"])]
     if probe["jit_disabled"]:
         findings.append(
@@ -744,7 +749,7 @@ def _numba_findings(*, kernels: bool) -> list[Finding]:
                 + ("" if problems else ", writable"),
             )
         )
-    if kernels:
+    if "counts" in probe:  # the probe made the kernels ready
         counts, total = probe["counts"], probe["signatures"]
         compiled = counts.get("compiled", 0)
         if compiled == 0:

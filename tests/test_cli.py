@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import numba
 import pytest
 
 import ptrres
-from ptrres._cli import _check, main
+from ptrres._cli import _check, main, probe_findings
 from ptrres._config import KERNELS
 from ptrres.bench import PRESETS, VirtualTensor
 
@@ -203,16 +204,15 @@ def test_warmup_says_what_it_made_ready_and_where_the_cache_is(
 def test_warmup_exits_non_zero_where_nothing_can_be_cached(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ptrres import _config
+    from ptrres import _cli, _config
 
     monkeypatch.setattr(_config, "cache_refused", "no locator available")
+    monkeypatch.setattr(_cli, "_jit_disabled", lambda: False)
     assert main(["warmup"]) == 1
     text = capsys.readouterr().out
-    if JIT_DISABLED:  # nothing to cache either way: the JIT is named first
-        assert "NUMBA_DISABLE_JIT is set" in text
-        return
     assert "Numba cannot cache here (no locator available)" in text
     assert "Set NUMBA_CACHE_DIR to a writable directory" in text
+    assert "kernel signatures" not in text  # nothing compiled for nothing
 
 
 def test_warmup_refuses_a_processes_count_below_one() -> None:
@@ -320,6 +320,7 @@ def test_check_says_the_plugin_will_patch(vllm_env: Any) -> None:
         ("PTRRES_VLLM", "0", "PTRRES_VLLM"),
         ("PTRRES_VLLM", "off", "PTRRES_VLLM"),
         ("VLLM_PLUGINS", "lora_filesystem_resolver", "VLLM_PLUGINS"),
+        ("VLLM_PLUGINS", "", "VLLM_PLUGINS"),  # vLLM reads it as [""]: none
     ],
 )
 def test_check_names_the_switch_that_keeps_the_plugin_off(
@@ -332,11 +333,16 @@ def test_check_names_the_switch_that_keeps_the_plugin_off(
     assert text.splitlines()[-1] == f"The plugin will not patch vLLM: {topic}."
 
 
-def test_check_with_coalescing_on(vllm_env: Any) -> None:
+def test_check_with_coalescing_on_and_ptrres_allowed(vllm_env: Any) -> None:
     vllm_env.setenv("PTRRES_VLLM_COALESCE", "1")
+    vllm_env.setenv("VLLM_PLUGINS", "lora_filesystem_resolver,ptrres")
     status, findings, _ = check("--no-kernels")
     assert status == 0
     assert findings["PTRRES_VLLM_COALESCE"][1].startswith("1: coalescing on")
+    assert findings["VLLM_PLUGINS"] == (
+        "ok",
+        "lora_filesystem_resolver,ptrres: includes it",
+    )
 
 
 def test_check_without_the_entry_point(vllm_env: Any) -> None:
@@ -439,3 +445,150 @@ def test_a_writable_folder_is_told_from_one_that_cannot_be_made(
     assert (tmp_path / "new" / "cache").is_dir()
     (tmp_path / "file").write_text("")
     assert _writable(str(tmp_path / "file" / "cache")) is not None
+
+
+def probe(**fields: Any) -> dict[str, Any]:
+    """A numba_probe() report, as a fresh interpreter would send it."""
+    return {
+        "numba": "0.65.0",
+        "jit_disabled": False,
+        "cache_refused": None,
+        "cache_paths": [],
+        **fields,
+    }
+
+
+def findings_of(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {f.topic: (f.status, f.detail) for f in probe_findings(report)}
+
+
+def test_probe_findings_warm_cold_and_uncached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    cache = str(tmp_path / "ptrres_kernels")
+    warm = findings_of(
+        probe(cache_paths=[cache], counts={"loaded": 7}, signatures=7, seconds=0.06)
+    )
+    assert warm["numba"] == ("ok", "0.65.0")
+    assert warm["Numba cache"] == (
+        "ok",
+        f"{cache} (NUMBA_CACHE_DIR={tmp_path}), writable",
+    )
+    assert warm["kernels"][0] == "ok"
+    assert warm["kernels"][1].startswith("warm: 7 of 7 signatures loaded, in 0.06 s")
+    assert "another CPU model recompiles" in warm["kernels"][1]
+    cold = findings_of(
+        probe(
+            cache_paths=[cache],
+            counts={"compiled": 5, "loaded": 2},
+            signatures=7,
+            seconds=3.1,
+        )
+    )
+    assert cold["kernels"][0] == "warn"
+    assert cold["kernels"][1].startswith(
+        "cold: 5 of 7 signatures compiled, into the cache (a second check finds "
+        "it warm), in 3.10 s"
+    )
+    uncached = findings_of(
+        probe(
+            cache_refused="no locator available",
+            counts={"compiled": 7},
+            signatures=7,
+            seconds=3.0,
+        )
+    )
+    assert uncached["Numba cache"] == (
+        "warn",
+        "none: no locator available; every process compiles",
+    )
+    assert uncached["kernels"][1].startswith("cold: 7 of 7 signatures compiled, in")
+    assert "kernels" not in findings_of(probe(cache_paths=[cache]))  # --no-kernels
+
+
+def test_probe_findings_on_a_cache_numba_cannot_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    elsewhere = str(tmp_path / "pycache")
+    state, detail = findings_of(probe(cache_paths=[elsewhere]))["Numba cache"]
+    assert state == "warn"
+    assert detail.startswith(f"{elsewhere} (NUMBA_CACHE_DIR={tmp_path / 'file'}")
+    assert detail.endswith("; NUMBA_CACHE_DIR is not used (Not a directory)")
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    blocked = str(tmp_path / "file" / "pycache")
+    state, detail = findings_of(probe(cache_paths=[blocked]))["Numba cache"]
+    assert state == "warn"
+    assert detail == (
+        f"{blocked} (NUMBA_CACHE_DIR unset); {blocked} is not writable: Not a directory"
+    )
+    state, detail = findings_of(probe(jit_disabled=True))["Numba cache"]
+    assert (state, detail.split(",")[0]) == ("warn", "none: NUMBA_DISABLE_JIT is set")
+
+
+@pytest.mark.parametrize("failure", ["no interpreter", "a failing interpreter"])
+def test_check_says_when_the_fresh_interpreter_fails(
+    failure: str, vllm_env: Any
+) -> None:
+    from ptrres import _cli
+
+    if failure == "no interpreter":
+        vllm_env.setattr(sys, "executable", "/nonexistent/python")
+    else:
+        vllm_env.setattr(_cli, "_PROBE", "import sys; sys.exit('no numba here')")
+    status, findings, _ = check("--no-kernels")
+    assert status == 0  # the plugin would still patch
+    assert findings["kernels"][0] == "warn"
+    assert "numba" not in findings
+    if failure != "no interpreter":
+        assert findings["kernels"][1] == (
+            "a fresh interpreter could not warm up ptrres: no numba here"
+        )
+
+
+def test_numba_probe_in_this_process() -> None:
+    from ptrres._cli import numba_probe
+
+    quick = numba_probe(kernels=False)
+    assert quick["numba"] == numba.__version__
+    assert quick["jit_disabled"] is JIT_DISABLED
+    assert "counts" not in quick
+    full = numba_probe(kernels=True)
+    assert full["signatures"] == SIGNATURES == sum(full["counts"].values())
+    assert full["seconds"] >= 0
+    if JIT_DISABLED:
+        assert full["counts"] == {"interpreted": SIGNATURES}
+        assert full["cache_paths"] == []
+    else:
+        assert full["cache_paths"] == [str(KERNELS[0][0].stats.cache_path)]
+
+
+def test_warmup_report_lists_each_kernel_under_how_it_was_made_ready(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The listing itself, with or without the JIT (without it, each kernel
+    is "interpreted" and the cache is nobody's)."""
+    from ptrres import _cli
+
+    monkeypatch.setattr(_cli, "_jit_disabled", lambda: False)
+    monkeypatch.setattr(_cli, "_cache_refused", lambda: None)
+    assert main(["warmup", "--processes", "1"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:-2]
+    listed, names = {}, []
+    for row in rows:
+        how, count, kernels = row.split(maxsplit=2)
+        listed[how] = int(count)
+        names += kernels.split(", ")
+    assert sum(listed.values()) == SIGNATURES
+    if JIT_DISABLED:
+        assert set(listed) == {"interpreted"}
+    else:
+        assert set(listed) <= {"compiled", "loaded", "ready"}
+    # Each kernel by name, with its count of signatures where it has several.
+    per_kernel: Counter[str] = Counter()
+    for entry in names:
+        name, count = re.fullmatch(r"(\w+)(?: \((\d+)\))?", entry).groups()  # type: ignore[union-attr]
+        per_kernel[name] += int(count or 1)
+    assert per_kernel == Counter({d.__name__: len(sigs) for d, sigs in KERNELS})
