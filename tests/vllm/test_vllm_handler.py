@@ -1,4 +1,4 @@
-"""ptrres.vllm against vLLM 0.33's own offloading handler, on CPU tensors.
+"""ptrres.vllm against the installed vLLM's own offloading handler, on CPU tensors.
 
 Skipped when vLLM is not importable (vllm_harness importorskips it).
 """
