@@ -1,4 +1,4 @@
-"""Issue-12 speed targets: vLLM 0.33's transfer_async, patched by ptrres or not.
+"""vLLM's transfer_async, patched by ptrres or not (issues 12 and 21).
 
 End-to-end CPU time of ``SingleDirectionOffloadingHandler.transfer_async``,
 vLLM's own against ptrres.vllm's, on the same handler, in one process, in
@@ -18,20 +18,39 @@ way on ptrres.bench's CANONICAL_PRESETS, Llama-3.1-70B at TP=4 in packed NHD
 rotation: rank 3 of 8 stores every 8th page), their byte fields scaled down
 alike so that the smallest is 8 B (the fragment count is the model's).
 
+``--first-transfer`` times instead what a fresh process pays (issue 21):
+each round is a new interpreter that loads the plugin through vLLM's own
+``load_general_plugins()``, builds a llama-3.1-8b store handler through the
+patched ``__init__`` (which makes the kernels ready and builds the plan), and
+times its first ``transfer_async`` of 16 blocks x 32 layers, the calls after
+it, vLLM's own unpatched ``transfer_async`` on the same handler, and vLLM's
+own constructor; on an empty Numba cache (a new folder per round) and on the
+warm cache the previous round left.
+
+Any installed vLLM that ptrres.vllm supports (0.30 to 0.33) works; the table
+says which ran.
+
 Run: python benchmarks/vllm_transfer.py [--quick] [--canonical-only]
+     python benchmarks/vllm_transfer.py --first-transfer [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import vllm
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalPageMapping,
@@ -277,14 +296,115 @@ def check_same_descriptors(
     return len(submitted[0][0]) // 8
 
 
+def first_transfer_child() -> dict[str, float]:
+    """In a fresh interpreter: what building a patched handler and its first
+    transfer cost, against later calls and vLLM's own (seconds)."""
+    import vllm.plugins
+
+    vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call]
+    assert plugin.is_patched(), "vLLM's loader did not patch (is ptrres installed?)"
+    stub_vllm()
+    start = time.perf_counter()
+    handler = handler_for("llama-3.1-8b", True)
+    constructor = time.perf_counter() - start
+    specs = vllm_specs("llama-3.1-8b", 16, True)
+    start = time.perf_counter()
+    handler.transfer_async(0, *specs)
+    first = time.perf_counter() - start
+    handler.get_finished()
+    later = statistics.median(
+        time_transfers(type(handler).transfer_async, handler, specs, 1)
+        for _ in range(51)
+    )
+    vllms = statistics.median(
+        time_transfers(plugin._vllm_transfer_async, handler, specs, 1)
+        for _ in range(51)
+    )
+    plugin.unpatch()
+    start = time.perf_counter()
+    handler_for("llama-3.1-8b", True)
+    vllm_constructor = time.perf_counter() - start
+    return {
+        "constructor": constructor,
+        "vllm_constructor": vllm_constructor,
+        "first": first,
+        "later": later,
+        "vllm": vllms,
+    }
+
+
+def first_transfer_table(rounds: int) -> None:
+    """Fresh processes on an empty Numba cache, then on the warm one."""
+    print(
+        f"vLLM {vllm.__version__}, ptrres {ptrres.__version__}: llama-3.1-8b store, "
+        "16 blocks x 32 layers, in fresh processes\n"
+    )
+    print(
+        "| Numba cache | patched constructor "
+        "| vLLM's constructor | first transfer_async | later calls "
+        "| vLLM's own, unpatched |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PTRRES_VLLM")}
+    with tempfile.TemporaryDirectory() as scratch:
+        warm_cache = os.path.join(scratch, "warm")
+        for state in ("empty", "warm"):
+            for round_ in range(rounds):
+                cache = (
+                    os.path.join(scratch, f"empty-{round_}")
+                    if state == "empty"
+                    else warm_cache
+                )
+                result = subprocess.run(
+                    [sys.executable, __file__, "--child"],
+                    env={**env, "NUMBA_CACHE_DIR": cache},
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if result.returncode != 0:
+                    raise SystemExit(result.stderr)
+                t = json.loads(result.stdout.splitlines()[-1])
+                print(
+                    f"| {state} | {t['constructor']:.3f} s "
+                    f"| {t['vllm_constructor'] * 1e3:.1f} ms "
+                    f"| {t['first'] * 1e3:.2f} ms | {t['later'] * 1e3:.3f} ms "
+                    f"| {t['vllm'] * 1e3:.3f} ms |",
+                    flush=True,
+                )
+            if state == "empty":  # the warm rounds start from a filled cache
+                subprocess.run(
+                    [sys.executable, "-m", "ptrres", "warmup"],
+                    env={**env, "NUMBA_CACHE_DIR": warm_cache},
+                    capture_output=True,
+                    check=True,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter timings")
     parser.add_argument(
         "--canonical-only", action="store_true", help="only the canonical layouts"
     )
+    parser.add_argument(
+        "--first-transfer",
+        action="store_true",
+        help="time a fresh process's first transfer, on an empty and a warm cache",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="fresh processes per cache state"
+    )
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        print(json.dumps(first_transfer_child()))
+        return
+    if args.first_transfer:
+        first_transfer_table(args.rounds)
+        return
     seconds = 0.15 if args.quick else 0.6
+    print(f"vLLM {vllm.__version__}, ptrres {ptrres.__version__}\n")
 
     stub_vllm()
     vllm_transfer = worker.SingleDirectionOffloadingHandler.transfer_async

@@ -1,23 +1,30 @@
-"""ptrres inside vLLM 0.33's CPU offloading worker: a vLLM general plugin.
+"""ptrres inside vLLM's CPU offloading worker (0.30 to 0.33): a general plugin.
 
-vLLM 0.33 builds its copy descriptors in ``SingleDirectionOffloadingHandler``
+vLLM builds its copy descriptors in ``SingleDirectionOffloadingHandler``
 (``vllm/v1/kv_offload/cpu/gpu_worker.py``): a numpy pass per group, ref and
 side, unchecked. ``patch()`` replaces that handler's ``transfer_async`` with one
 that builds the whole descriptor list with one ptrres plan, written straight
 into vLLM's own pooled pinned buffers, checking every id before anything is
-submitted. Where the installed vLLM has ``vllm.v1.kv_offload.pointer_utils``,
-its ``resolve_device_pointers`` and ``iter_pointer_groups`` become ptrres's.
+submitted. It also wraps the handler's ``__init__``: once vLLM's own has run,
+every ptrres kernel is made ready (``ptrres.warmup()``: loaded from Numba's
+cache, or compiled) and the handler's PointerTable and OffloadedLayout are
+built, so that no transfer compiles or loads anything. Where the installed
+vLLM has ``vllm.v1.kv_offload.pointer_utils``, its ``resolve_device_pointers``
+and ``iter_pointer_groups`` become ptrres's.
 
 vLLM calls ``register()`` in every process (API server, engine core, workers)
 through the entry point ``ptrres = "ptrres.vllm:register"``; ``PTRRES_VLLM=0``
-turns it off. Importing this module does not import vLLM: only ``patch()``
-does, and ``import ptrres`` never imports this module.
+turns it off. Only processes that build a handler (the workers, when the KV
+caches are registered) pay for the warmup. Importing this module does not
+import vLLM: only ``patch()`` does, and ``import ptrres`` never imports this
+module.
 
 This module uses only ptrres's public API.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -32,13 +39,18 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from . import (
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
     OffloadedLayout,
     PointerTable,
+    WarmupReport,
     iter_pointer_groups,
     resolve_device_pointers,
+    warmup,
 )
 
 __all__ = [
@@ -56,14 +68,55 @@ logger = logging.getLogger("ptrres.vllm")
 # it, so its line shows among vLLM's.
 _VLLM_CHILD_LOGGER = "vllm.ptrres"
 
-# vLLM releases whose handler this module was tested against.
-SUPPORTED_VLLM = "0.33.x"
-_SUPPORTED_VERSION = re.compile(r"0\.33(\.|$)")
+# The handler's constructor in each release this module was tested against
+# (its patch releases included): 0.31 added host_memory_is_pinned, with which
+# unpinned host memory also sends loads to ops.swap_blocks_batch. The patched
+# handler reads the copy function vLLM chose, so it follows each release.
+_INIT_PARAMETERS = [
+    "self",
+    "gpu_tensors",
+    "cpu_tensors",
+    "blocks_per_chunk",
+    "layer_refs_per_group",
+    "gpu_to_cpu",
+    "canonical_layout",
+]
+_RELEASE_INIT_PARAMETERS: dict[str, list[str]] = {
+    "0.30": _INIT_PARAMETERS,
+    "0.31": [*_INIT_PARAMETERS, "host_memory_is_pinned"],
+    "0.32": [*_INIT_PARAMETERS, "host_memory_is_pinned"],
+    "0.33": [*_INIT_PARAMETERS, "host_memory_is_pinned"],
+}
+# vLLM releases whose handler this module was tested against, each with its
+# patch releases (0.33 stands for 0.33.x).
+SUPPORTED_VLLM: tuple[str, ...] = tuple(_RELEASE_INIT_PARAMETERS)
+_SUPPORTED_VERSION = re.compile(
+    r"(" + "|".join(re.escape(release) for release in SUPPORTED_VLLM) + r")(\.|$)"
+)
 WORKER_MODULE = "vllm.v1.kv_offload.cpu.gpu_worker"
 POINTER_UTILS_MODULE = "vllm.v1.kv_offload.pointer_utils"
 HANDLER_CLASS = "SingleDirectionOffloadingHandler"
-# Where a handler keeps its ptrres state (built on its first transfer).
+# Where a handler keeps its ptrres state: a _HandlerPlan, built by the patched
+# __init__ (or on the first transfer of a handler built before patch()), or
+# _DECLINED when ptrres could not plan for it.
 _STATE_ATTRIBUTE = "_ptrres_plan"
+_DECLINED = "declined"
+# What the patched transfer_async reads of a handler, which vLLM's __init__ sets.
+_HANDLER_ATTRIBUTES = (
+    "gpu_to_cpu",
+    "src_tensors",
+    "dst_tensors",
+    "src_blocks_per_chunk",
+    "dst_blocks_per_chunk",
+    "layer_refs_per_group",
+    "_canonical_copy_plans",
+    "_swap_blocks_batch",
+    "_buffer_pool",
+    "_stream_pool",
+    "_event_pool",
+    "_transfers",
+    "_transfer_events",
+)
 _OFF_VALUES = ("0", "false", "off", "no")
 
 
@@ -94,6 +147,8 @@ _warned: set[str] = set()
 # vLLM's own transfer_async, kept past unpatch() for handlers whose transfers
 # vLLM builds (and for a patched method someone held on to).
 _vllm_transfer_async: Any = None
+# Whether a handler's warmup has been logged at INFO in this process.
+_warmup_logged = False
 
 
 def is_patched() -> bool:
@@ -102,14 +157,16 @@ def is_patched() -> bool:
 
 
 def patch() -> list[str]:
-    """Make vLLM 0.33's CPU offloading worker build its descriptors with ptrres.
+    """Make vLLM's CPU offloading worker build its descriptors with ptrres.
 
-    Replaces ``SingleDirectionOffloadingHandler.transfer_async`` and, where the
-    installed vLLM has ``pointer_utils``, its ``resolve_device_pointers`` and
-    ``iter_pointer_groups``. Everything is replaced, or nothing: on a vLLM
-    other than 0.33.x, or where an attribute is missing or has another
-    signature, vLLM is left as it was and a VllmPatchWarning is issued (once
-    per reason). Calling it again once patched changes nothing.
+    Replaces ``SingleDirectionOffloadingHandler.__init__`` (vLLM's, then
+    ``ptrres.warmup()`` and the handler's ptrres plan) and ``transfer_async``
+    and, where the installed vLLM has ``pointer_utils``, its
+    ``resolve_device_pointers`` and ``iter_pointer_groups``. Everything is
+    replaced, or nothing: on a vLLM release not in SUPPORTED_VLLM, or where an
+    attribute is missing or has another signature than that release's, vLLM is
+    left as it was and a VllmPatchWarning is issued (once per reason). Calling
+    it again once patched changes nothing.
 
     Returns:
         The qualified names of the attributes now replaced (empty when vLLM was
@@ -123,7 +180,7 @@ def patch() -> list[str]:
         if refusal is not None:
             _warn_once(refusal)
             return []
-        _vllm_transfer_async = replacements[0].original
+        _vllm_transfer_async = replacements[1].original
         done: list[_Replacement] = []
         try:
             for r in replacements:
@@ -141,7 +198,8 @@ def patch() -> list[str]:
 def unpatch() -> None:
     """Restore vLLM's own attributes (the very objects patch() replaced).
 
-    Handlers keep the ptrres state they built, but ignore it once unpatched.
+    Handlers keep the ptrres state they built, but ignore it once unpatched;
+    handlers built from then on are vLLM's alone.
     """
     global _applied
     with _lock:
@@ -156,7 +214,8 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: patch() unless PTRRES_VLLM=0.
 
     vLLM calls it in every process, possibly many times: it patches once, logs
-    one INFO line naming what it patched, and never raises.
+    one INFO line naming what it patched, and never raises. It compiles
+    nothing: only a process that builds a handler pays for the kernels.
     """
     try:
         if os.environ.get("PTRRES_VLLM", "1").strip().lower() in _OFF_VALUES:
@@ -166,19 +225,21 @@ def register() -> None:
             return
         patched = patch()
         if patched:
-            reporter = (
-                logger
-                if logger.hasHandlers()
-                else logging.getLogger(_VLLM_CHILD_LOGGER)
-            )
-            reporter.info(
-                "ptrres %s builds vLLM's KV offload descriptors: patched %s%s",
+            _reporter().info(
+                "ptrres %s builds vLLM %s's KV offload descriptors: patched %s%s; "
+                "kernels are made ready when the handlers are built",
                 _ptrres_version(),
+                getattr(sys.modules.get("vllm"), "__version__", "?"),
                 ", ".join(patched),
                 " (coalescing on)" if _coalesce_requested() else "",
             )
     except Exception:  # a plugin must never take vLLM down
         logger.warning("ptrres: could not patch vLLM; it runs unchanged", exc_info=True)
+
+
+def _reporter() -> logging.Logger:
+    """ptrres's logger, or vLLM's child logger where nothing handles ptrres's."""
+    return logger if logger.hasHandlers() else logging.getLogger(_VLLM_CHILD_LOGGER)
 
 
 def _ptrres_version() -> str:
@@ -208,8 +269,9 @@ def _parameters(function: Any) -> list[tuple[str, Any]]:
     return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
 
 
-# vLLM 0.33 names whose signatures the patched transfer_async relies on: the
-# method it replaces, the fill it stands for, and the helpers it calls.
+# vLLM names whose signatures the patched transfer_async relies on, the same
+# in every tested release: the method it replaces, the fill it stands for, and
+# the helpers it calls. (__init__'s is each release's own.)
 _HANDLER_SIGNATURES: dict[str, list[str]] = {
     "transfer_async": ["self", "job_id", "src_spec", "dst_spec"],
     "_estimate_max_copy_ops": ["self", "group_sizes"],
@@ -238,8 +300,12 @@ def _plan_replacements() -> tuple[list[_Replacement], str | None]:
     except ImportError as error:
         return [], f"vLLM cannot be imported ({error})"
     version = str(getattr(vllm, "__version__", "unknown"))
-    if not _SUPPORTED_VERSION.match(version):
-        return [], f"vLLM {version} is not a tested version ({SUPPORTED_VLLM})"
+    tested = _SUPPORTED_VERSION.match(version)
+    if tested is None:
+        return [], (
+            f"vLLM {version} is not a tested version "
+            f"({', '.join(f'{release}.x' for release in SUPPORTED_VLLM)})"
+        )
     try:
         worker = importlib.import_module(WORKER_MODULE)
     except ImportError as error:
@@ -247,17 +313,23 @@ def _plan_replacements() -> tuple[list[_Replacement], str | None]:
     handler = getattr(worker, HANDLER_CLASS, None)
     if not isinstance(handler, type):
         return [], f"{WORKER_MODULE}.{HANDLER_CLASS} is missing"
-    for name, expected in _HANDLER_SIGNATURES.items():
+    signatures = {
+        "__init__": _RELEASE_INIT_PARAMETERS[tested.group(1)],
+        **_HANDLER_SIGNATURES,
+    }
+    for name, expected in signatures.items():
         refusal = _signature_refusal(handler, name, expected)
         if refusal is not None:
             return [], refusal
     for name in _WORKER_NAMES:
         if not hasattr(worker, name):
             return [], f"{WORKER_MODULE}.{name} is missing"
+    original_init = vars(handler)["__init__"]
     replacements = [
+        _Replacement(handler, "__init__", original_init, _patched_init(original_init)),
         _Replacement(
             handler, "transfer_async", vars(handler)["transfer_async"], transfer_async
-        )
+        ),
     ]
     pointer_utils = _optional_module(POINTER_UTILS_MODULE)
     if pointer_utils is not None:
@@ -348,8 +420,86 @@ class _HandlerPlan:
         return views
 
 
+def _patched_init(vllm_init: Callable[..., None]) -> Callable[..., None]:
+    """The handler's __init__: vLLM's own, then the kernels and the plan.
+
+    It takes the arguments of the release's own __init__ (and shows its
+    signature), so it follows every release's constructor.
+    """
+
+    @functools.wraps(vllm_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        vllm_init(self, *args, **kwargs)
+        if _applied is not None:  # else unpatched since: vLLM's handler alone
+            _attach_plan(self, warm_up=True)
+
+    return __init__
+
+
+def _attach_plan(handler: Any, *, warm_up: bool = False) -> _HandlerPlan | None:
+    """Build the handler's ptrres plan and keep it on the handler.
+
+    With ``warm_up``, first make every kernel ready (_warm_up_kernels). Where
+    ptrres cannot plan for a handler (vLLM set other attributes than the
+    tested releases do, a layout ptrres refuses, a kernel that does not
+    compile), the handler keeps vLLM's own transfers, and a warning says why:
+    a plugin never takes vLLM down.
+    """
+    try:
+        missing = [name for name in _HANDLER_ATTRIBUTES if not hasattr(handler, name)]
+        if missing:
+            raise AttributeError(f"the handler has no {', '.join(missing)}")
+        if warm_up:
+            _warm_up_kernels()
+        built = _handler_plan(handler)
+        if warm_up:
+            _rehearse(handler, built)
+        plan: _HandlerPlan | str = built
+    except Exception as error:
+        _reporter().warning(
+            "ptrres: this %s keeps vLLM's own transfers: %s",
+            type(handler).__name__,
+            error,
+            exc_info=not isinstance(error, (AttributeError, ValueError, TypeError)),
+        )
+        plan = _DECLINED
+    setattr(handler, _STATE_ATTRIBUTE, plan)
+    return plan if isinstance(plan, _HandlerPlan) else None
+
+
+def _warm_up_kernels() -> None:
+    """ptrres.warmup(), logged at INFO the first time in this process.
+
+    Every kernel is loaded from Numba's cache or compiled here, where vLLM
+    builds its handlers (at engine start-up), so that no transfer, in an
+    engine step on every tensor-parallel rank, waits for one. Later calls
+    cost next to nothing.
+    """
+    global _warmup_logged
+    report = warmup()
+    with _lock:
+        first, _warmup_logged = not _warmup_logged, True
+    (_reporter().info if first else logger.debug)(
+        "%s, before vLLM's first KV offload", _describe_warmup(report)
+    )
+
+
+def _describe_warmup(report: WarmupReport) -> str:
+    """One line saying what warmup() did: how many signatures went which way."""
+    counts = ", ".join(
+        f"{report.count(how)} {how}"
+        for how in ("loaded", "compiled", "ready", "interpreted")
+        if report.count(how)
+    )
+    processes = f" in {report.processes} processes" if report.processes > 1 else ""
+    return (
+        f"ptrres warmup: {len(report.kernels)} kernel signatures ({counts}) "
+        f"in {report.seconds:.2f} s{processes}"
+    )
+
+
 def _handler_plan(handler: Any) -> _HandlerPlan:
-    """The handler's ptrres state, built once per handler, on its first transfer.
+    """The handler's ptrres state: its table, its offloaded layout, coalescing.
 
     Direct and canonical layouts alike: with ``canonical_layout=True`` the CPU
     rows hold canonical pages and the refs carry their CanonicalPageMapping,
@@ -380,6 +530,32 @@ def _handler_plan(handler: Any) -> _HandlerPlan:
     )
 
 
+def _rehearse(handler: Any, plan: _HandlerPlan) -> None:
+    """Plan block 0 of each group, into scratch buffers, as a transfer would.
+
+    The first call of a kernel with given argument types still costs Numba
+    some typing in Python, and under numpy 2 its first look at an array
+    imports numpy.ma (26 ms, measured): paid here, the first transfer takes
+    the path of every later one. Block 0 and chunk 0 exist in every layout;
+    the plan only computes pointers, into buffers of vLLM's own kind (int64,
+    uint64 on XPU), and copies nothing.
+    """
+    num_groups = len(handler.layer_refs_per_group)
+    # int32 ids, as vLLM's specs hold them; one chunk per (non-empty) group.
+    block_ids = np.zeros(num_groups, np.int32)
+    spec = GPULoadStoreSpec(block_ids, [1] * num_groups, [0] * num_groups)
+    num_copy_ops = max(_max_copy_ops(handler, spec), 1)
+    buffers = sys.modules[WORKER_MODULE]._new_descriptor_buffers(num_copy_ops)
+    plan.table.plan_transfer(
+        spec,
+        plan.offloaded,
+        block_ids.copy(),
+        store=handler.gpu_to_cpu,
+        out=tuple(t.numpy() for t in buffers),
+        coalesce=plan.coalesce,
+    )
+
+
 def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
     """vLLM's ``transfer_async``, its descriptors built by one ptrres plan.
 
@@ -388,11 +564,11 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     ptrres's BlockIdError or OffloadedIdError (ValueErrors) before anything is
     submitted, and the buffers go back to the pool.
     """
-    plan = vars(self).get(_STATE_ATTRIBUTE)
-    if plan is None:
-        plan = _handler_plan(self)
-        setattr(self, _STATE_ATTRIBUTE, plan)
-    if _applied is None:
+    state = vars(self).get(_STATE_ATTRIBUTE)
+    # A handler built before patch() gets its plan now (its kernels compile
+    # on first use); one built by the patched __init__ has it already.
+    plan = _attach_plan(self) if state is None else state
+    if _applied is None or not isinstance(plan, _HandlerPlan):
         return bool(_vllm_transfer_async(self, job_id, src_spec, dst_spec))
     worker = sys.modules[WORKER_MODULE]
     if self.gpu_to_cpu:

@@ -1,18 +1,29 @@
-"""`ptrres bench` and `ptrres explain`, end to end, and the model presets."""
+"""`ptrres bench`, `explain`, `warmup` and `check`, end to end, and the model
+presets."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import io
 import itertools
 import json
+import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import numba
 import pytest
 
 import ptrres
-from ptrres._cli import main
+from ptrres._cli import _check, main, probe_findings
+from ptrres._config import KERNELS
 from ptrres.bench import PRESETS, VirtualTensor
+
+ROOT = Path(__file__).resolve().parents[1]
 
 KiB = 1024
 
@@ -154,3 +165,430 @@ def test_version_is_the_package_version() -> None:
     from importlib.metadata import version
 
     assert ptrres.__version__ == version("ptrres")
+
+
+# --- `ptrres warmup` and `ptrres check` -----------------------------------------
+
+JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
+SIGNATURES = sum(len(signatures) for _, signatures in KERNELS)
+
+
+def test_warmup_says_what_it_made_ready_and_where_the_cache_is(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = main(["warmup", "--processes", "1"])
+    text = capsys.readouterr().out
+    if JIT_DISABLED:
+        assert status == 1
+        assert "NUMBA_DISABLE_JIT is set" in text
+        return
+    assert status == 0
+    first, *rows = text.splitlines()
+    assert re.fullmatch(
+        rf"ptrres warmup: {SIGNATURES} kernel signatures \(.*\) in \d+\.\d\d s", first
+    )
+    counted = {}
+    for row in rows[:-2]:
+        how, count, names = row.split(maxsplit=2)
+        counted[how] = int(count)
+        assert set(re.sub(r" \(\d+\)", "", names).split(", ")) <= {
+            d.__name__ for d, _ in KERNELS
+        }
+    assert sum(counted.values()) == SIGNATURES
+    assert set(counted) <= {"compiled", "loaded", "ready"}
+    cache = KERNELS[0][0].stats.cache_path
+    assert rows[-2].startswith(f"Numba's cache: {cache} (NUMBA_CACHE_DIR")
+    assert "on another CPU model the kernels compile again" in rows[-1]
+
+
+def test_warmup_exits_non_zero_where_nothing_can_be_cached(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ptrres import _cli, _config
+
+    monkeypatch.setattr(_config, "cache_refused", "no locator available")
+    monkeypatch.setattr(_cli, "_jit_disabled", lambda: False)
+    assert main(["warmup"]) == 1
+    text = capsys.readouterr().out
+    assert "Numba cannot cache here (no locator available)" in text
+    assert "Set NUMBA_CACHE_DIR to a writable directory" in text
+    assert "kernel signatures" not in text  # nothing compiled for nothing
+
+
+def test_warmup_refuses_a_processes_count_below_one() -> None:
+    with pytest.raises(SystemExit, match="at least 1"):
+        main(["warmup", "--processes", "0"])
+
+
+def test_the_warmup_command_runs_in_a_fresh_process(tmp_path: Path) -> None:
+    """`python -m ptrres warmup` on an empty cache, then again: what it
+    compiled the first time, it loads the second."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-m", "ptrres", "warmup"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            check=False,
+        )
+        for _ in range(2)
+    ]
+    if JIT_DISABLED:
+        assert [run.returncode for run in runs] == [1, 1]
+        return
+    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr
+    assert f"({SIGNATURES} compiled)" in runs[0].stdout
+    assert f"({SIGNATURES} loaded)" in runs[1].stdout
+    assert f"Numba's cache: {tmp_path}" in runs[1].stdout
+
+
+def check(*argv: str) -> tuple[int, dict[str, tuple[str, str]], str]:
+    """`ptrres check`'s exit status, its findings by topic, and its text."""
+    out = io.StringIO()
+    status = _check(out, kernels="--no-kernels" not in argv)
+    text = out.getvalue()
+    findings = {}
+    for line in text.splitlines()[1:-1]:
+        status_word, rest = line.split(maxsplit=1)
+        topic, detail = re.split(r"\s{2,}", rest, maxsplit=1)
+        findings[topic] = (status_word, detail)
+    return status, findings, text
+
+
+@pytest.fixture
+def vllm_env(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """vLLM installed, ptrres's entry point visible to it, switches unset."""
+    pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker")
+    for name in ("PTRRES_VLLM", "PTRRES_VLLM_COALESCE", "VLLM_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    ours = importlib.metadata.EntryPoint(
+        "ptrres", "ptrres.vllm:register", "vllm.general_plugins"
+    )
+    real = importlib.metadata.entry_points
+
+    def entry_points(**selection: Any) -> Any:
+        if selection.get("group") == "vllm.general_plugins":
+            return [ours]
+        return real(**selection)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    return monkeypatch
+
+
+def test_check_says_the_plugin_will_patch(vllm_env: Any) -> None:
+    status, findings, text = check("--no-kernels")
+    import vllm
+
+    assert status == 0, text
+    assert text.splitlines()[-1] == (
+        "The plugin will patch vLLM in every process vLLM starts."
+    )
+    assert findings["vLLM"][0] == "ok"
+    assert findings["vLLM"][1].startswith(f"{vllm.__version__}, a tested release")
+    assert findings["entry point"] == (
+        "ok",
+        "ptrres = ptrres.vllm:register in vllm.general_plugins",
+    )
+    assert findings["VLLM_PLUGINS"][0] == "ok"
+    assert findings["patches"] == (
+        "ok",
+        "SingleDirectionOffloadingHandler.__init__, "
+        "SingleDirectionOffloadingHandler.transfer_async",
+    )
+    assert findings["PTRRES_VLLM"][1].startswith("unset: the plugin is on")
+    assert findings["PTRRES_VLLM_COALESCE"][1].startswith("unset: coalescing off")
+    assert findings["numba"] == ("ok", numba.__version__)
+    if JIT_DISABLED:
+        assert findings["Numba cache"][0] == "warn"
+        assert "NUMBA_DISABLE_JIT" in findings["Numba cache"][1]
+    else:
+        assert findings["Numba cache"] == (
+            "ok",
+            f"{KERNELS[0][0].stats.cache_path} (NUMBA_CACHE_DIR unset), writable"
+            if "NUMBA_CACHE_DIR" not in os.environ
+            else f"{KERNELS[0][0].stats.cache_path} "
+            f"(NUMBA_CACHE_DIR={os.environ['NUMBA_CACHE_DIR']}), writable",
+        )
+    assert "kernels" not in findings  # --no-kernels
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "topic"),
+    [
+        ("PTRRES_VLLM", "0", "PTRRES_VLLM"),
+        ("PTRRES_VLLM", "off", "PTRRES_VLLM"),
+        ("VLLM_PLUGINS", "lora_filesystem_resolver", "VLLM_PLUGINS"),
+        ("VLLM_PLUGINS", "", "VLLM_PLUGINS"),  # vLLM reads it as [""]: none
+    ],
+)
+def test_check_names_the_switch_that_keeps_the_plugin_off(
+    variable: str, value: str, topic: str, vllm_env: Any
+) -> None:
+    vllm_env.setenv(variable, value)
+    status, findings, text = check("--no-kernels")
+    assert status == 1
+    assert findings[topic][0] in ("off", "no")
+    assert text.splitlines()[-1] == f"The plugin will not patch vLLM: {topic}."
+
+
+def test_check_with_coalescing_on_and_ptrres_allowed(vllm_env: Any) -> None:
+    vllm_env.setenv("PTRRES_VLLM_COALESCE", "1")
+    vllm_env.setenv("VLLM_PLUGINS", "lora_filesystem_resolver,ptrres")
+    status, findings, _ = check("--no-kernels")
+    assert status == 0
+    assert findings["PTRRES_VLLM_COALESCE"][1].startswith("1: coalescing on")
+    assert findings["VLLM_PLUGINS"] == (
+        "ok",
+        "lora_filesystem_resolver,ptrres: includes it",
+    )
+
+
+def test_check_without_the_entry_point(vllm_env: Any) -> None:
+    vllm_env.setattr(importlib.metadata, "entry_points", lambda **selection: [])
+    status, findings, _ = check("--no-kernels")
+    assert status == 1
+    assert findings["entry point"] == (
+        "no",
+        "none in vllm.general_plugins: install ptrres into vLLM's environment",
+    )
+
+
+@pytest.mark.parametrize("version", ["0.40.0", None])
+def test_check_on_an_untested_or_missing_vllm(
+    version: str | None, vllm_env: Any
+) -> None:
+    real = importlib.metadata.version
+
+    def fake_version(name: str) -> str:
+        if name != "vllm":
+            return real(name)
+        if version is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version
+
+    vllm_env.setattr(importlib.metadata, "version", fake_version)
+    status, findings, text = check("--no-kernels")
+    assert status == 1
+    expected = "not installed here" if version is None else "0.40.0, not a tested"
+    assert findings["vLLM"][0] == "no"
+    assert findings["vLLM"][1].startswith(expected)
+    assert "(tested: 0.30.x, 0.31.x, 0.32.x, 0.33.x)" in text or version
+    assert "patches" not in findings
+
+
+def test_check_names_a_handler_that_changed(vllm_env: Any) -> None:
+    from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+
+    def transfer_async(self: Any, job_id: int, spec: Any) -> bool:
+        return True
+
+    vllm_env.setattr(SingleDirectionOffloadingHandler, "transfer_async", transfer_async)
+    status, findings, _ = check("--no-kernels")
+    assert status == 1
+    assert findings["patches"][0] == "no"
+    assert "transfer_async has the signature" in findings["patches"][1]
+
+
+def test_check_finds_a_cold_cache_then_a_warm_one(
+    vllm_env: Any, tmp_path: Path
+) -> None:
+    """A fresh interpreter warms up: on an empty cache it compiles (and fills
+    the cache), the next check loads everything."""
+    vllm_env.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    cold = check()
+    warm = check()
+    for status, findings, text in (cold, warm):
+        assert status == 0, text
+        if not JIT_DISABLED:
+            assert findings["Numba cache"][1].startswith(f"{tmp_path}")
+    if JIT_DISABLED:
+        assert "kernels" not in cold[1]
+        return
+    assert cold[1]["kernels"][0] == "warn"
+    assert cold[1]["kernels"][1].startswith(
+        f"cold: {SIGNATURES} of {SIGNATURES} signatures compiled, into the cache"
+    )
+    assert warm[1]["kernels"][0] == "ok"
+    assert warm[1]["kernels"][1].startswith(
+        f"warm: {SIGNATURES} of {SIGNATURES} signatures loaded"
+    )
+
+
+def test_check_reports_a_numba_cache_dir_numba_passed_over(
+    vllm_env: Any, tmp_path: Path
+) -> None:
+    """A NUMBA_CACHE_DIR that cannot be made (a file is in the way): Numba
+    silently caches elsewhere (or nowhere), and the check says so."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    vllm_env.setenv("NUMBA_CACHE_DIR", str(blocker / "cache"))
+    status, findings, _ = check("--no-kernels")
+    assert status == 0  # the plugin still patches
+    if JIT_DISABLED:
+        return
+    state, detail = findings["Numba cache"]
+    assert state == "warn"
+    assert "NUMBA_CACHE_DIR is not used (Not a directory)" in detail or (
+        detail.startswith("none: ")
+    )
+    assert str(blocker / "cache") not in detail.split(" (NUMBA_CACHE_DIR=")[0]
+
+
+def test_a_writable_folder_is_told_from_one_that_cannot_be_made(
+    tmp_path: Path,
+) -> None:
+    from ptrres._cli import _writable
+
+    assert _writable(str(tmp_path / "new" / "cache")) is None
+    assert (tmp_path / "new" / "cache").is_dir()
+    (tmp_path / "file").write_text("")
+    assert _writable(str(tmp_path / "file" / "cache")) is not None
+
+
+def probe(**fields: Any) -> dict[str, Any]:
+    """A numba_probe() report, as a fresh interpreter would send it."""
+    return {
+        "numba": "0.65.0",
+        "jit_disabled": False,
+        "cache_refused": None,
+        "cache_paths": [],
+        **fields,
+    }
+
+
+def findings_of(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {f.topic: (f.status, f.detail) for f in probe_findings(report)}
+
+
+def test_probe_findings_warm_cold_and_uncached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    cache = str(tmp_path / "ptrres_kernels")
+    warm = findings_of(
+        probe(cache_paths=[cache], counts={"loaded": 7}, signatures=7, seconds=0.06)
+    )
+    assert warm["numba"] == ("ok", "0.65.0")
+    assert warm["Numba cache"] == (
+        "ok",
+        f"{cache} (NUMBA_CACHE_DIR={tmp_path}), writable",
+    )
+    assert warm["kernels"][0] == "ok"
+    assert warm["kernels"][1].startswith("warm: 7 of 7 signatures loaded, in 0.06 s")
+    assert "another CPU model recompiles" in warm["kernels"][1]
+    cold = findings_of(
+        probe(
+            cache_paths=[cache],
+            counts={"compiled": 5, "loaded": 2},
+            signatures=7,
+            seconds=3.1,
+        )
+    )
+    assert cold["kernels"][0] == "warn"
+    assert cold["kernels"][1].startswith(
+        "cold: 5 of 7 signatures compiled, into the cache (a second check finds "
+        "it warm), in 3.10 s"
+    )
+    uncached = findings_of(
+        probe(
+            cache_refused="no locator available",
+            counts={"compiled": 7},
+            signatures=7,
+            seconds=3.0,
+        )
+    )
+    assert uncached["Numba cache"] == (
+        "warn",
+        "none: no locator available; every process compiles",
+    )
+    assert uncached["kernels"][1].startswith("cold: 7 of 7 signatures compiled, in")
+    assert "kernels" not in findings_of(probe(cache_paths=[cache]))  # --no-kernels
+
+
+def test_probe_findings_on_a_cache_numba_cannot_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    elsewhere = str(tmp_path / "pycache")
+    state, detail = findings_of(probe(cache_paths=[elsewhere]))["Numba cache"]
+    assert state == "warn"
+    assert detail.startswith(f"{elsewhere} (NUMBA_CACHE_DIR={tmp_path / 'file'}")
+    assert detail.endswith("; NUMBA_CACHE_DIR is not used (Not a directory)")
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    blocked = str(tmp_path / "file" / "pycache")
+    state, detail = findings_of(probe(cache_paths=[blocked]))["Numba cache"]
+    assert state == "warn"
+    assert detail == (
+        f"{blocked} (NUMBA_CACHE_DIR unset); {blocked} is not writable: Not a directory"
+    )
+    state, detail = findings_of(probe(jit_disabled=True))["Numba cache"]
+    assert (state, detail.split(",")[0]) == ("warn", "none: NUMBA_DISABLE_JIT is set")
+
+
+@pytest.mark.parametrize("failure", ["no interpreter", "a failing interpreter"])
+def test_check_says_when_the_fresh_interpreter_fails(
+    failure: str, vllm_env: Any
+) -> None:
+    from ptrres import _cli
+
+    if failure == "no interpreter":
+        vllm_env.setattr(sys, "executable", "/nonexistent/python")
+    else:
+        vllm_env.setattr(_cli, "_PROBE", "import sys; sys.exit('no numba here')")
+    status, findings, _ = check("--no-kernels")
+    assert status == 0  # the plugin would still patch
+    assert findings["kernels"][0] == "warn"
+    assert "numba" not in findings
+    if failure != "no interpreter":
+        assert findings["kernels"][1] == (
+            "a fresh interpreter could not warm up ptrres: no numba here"
+        )
+
+
+def test_numba_probe_in_this_process() -> None:
+    from ptrres._cli import numba_probe
+
+    quick = numba_probe(kernels=False)
+    assert quick["numba"] == numba.__version__
+    assert quick["jit_disabled"] is JIT_DISABLED
+    assert "counts" not in quick
+    full = numba_probe(kernels=True)
+    assert full["signatures"] == SIGNATURES == sum(full["counts"].values())
+    assert full["seconds"] >= 0
+    if JIT_DISABLED:
+        assert full["counts"] == {"interpreted": SIGNATURES}
+        assert full["cache_paths"] == []
+    else:
+        assert full["cache_paths"] == [str(KERNELS[0][0].stats.cache_path)]
+
+
+def test_warmup_report_lists_each_kernel_under_how_it_was_made_ready(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The listing itself, with or without the JIT (without it, each kernel
+    is "interpreted" and the cache is nobody's)."""
+    from ptrres import _cli
+
+    monkeypatch.setattr(_cli, "_jit_disabled", lambda: False)
+    monkeypatch.setattr(_cli, "_cache_refused", lambda: None)
+    assert main(["warmup", "--processes", "1"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:-2]
+    listed, names = {}, []
+    for row in rows:
+        how, count, kernels = row.split(maxsplit=2)
+        listed[how] = int(count)
+        names += kernels.split(", ")
+    assert sum(listed.values()) == SIGNATURES
+    if JIT_DISABLED:
+        assert set(listed) == {"interpreted"}
+    else:
+        assert set(listed) <= {"compiled", "loaded", "ready"}
+    # Each kernel by name, with its count of signatures where it has several.
+    per_kernel: Counter[str] = Counter()
+    for entry in names:
+        name, count = re.fullmatch(r"(\w+)(?: \((\d+)\))?", entry).groups()  # type: ignore[union-attr]
+        per_kernel[name] += int(count or 1)
+    assert per_kernel == Counter({d.__name__: len(sigs) for d, sigs in KERNELS})

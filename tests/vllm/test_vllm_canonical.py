@@ -1,4 +1,4 @@
-"""ptrres.vllm on canonical layouts, against vLLM 0.33's own handler (SPEC 10).
+"""ptrres.vllm on canonical layouts, against the installed vLLM's own handler (SPEC 10).
 
 With ``canonical_layout=True`` vLLM fills descriptors with
 ``_fill_canonical_ops``: one per fragment of each kept block, stores keeping

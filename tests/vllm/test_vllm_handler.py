@@ -1,11 +1,13 @@
-"""ptrres.vllm against vLLM 0.33's own offloading handler, on CPU tensors.
+"""ptrres.vllm against the installed vLLM's own offloading handler, on CPU tensors.
 
 Skipped when vLLM is not importable (vllm_harness importorskips it).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ from vllm_harness import (
     make_layout,
     specs,
     stubbed_vllm,
+    worker,
 )
 
 import ptrres
@@ -352,3 +355,58 @@ def test_coalescing_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
         expected = transfer(handler, engine, 1, src, dst)
         plugin.patch()
         assert_same(expected, transfer(handler, engine, 2, src, dst))
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_loads_follow_the_releases_choice_of_copy_function(
+    pinned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM sends loads of small pages to its Triton kernel; from 0.31 on,
+    host_memory_is_pinned=False sends them to ops.swap_blocks_batch instead,
+    where the plugin coalesces (0.30's constructor has no such parameter)."""
+    monkeypatch.setenv("PTRRES_VLLM_COALESCE", "1")
+    monkeypatch.setattr(worker, "HAS_TRITON", True)
+    monkeypatch.setattr(
+        worker,
+        "triton",
+        SimpleNamespace(next_power_of_2=lambda n: 1 << (n - 1).bit_length()),
+    )
+    triton = CopyEngine()
+
+    def triton_kernel(*args: Any, bytes_per_chunk: int, **kwargs: Any) -> None:
+        assert bytes_per_chunk == 64
+        triton(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "swap_blocks_batch", triton_kernel)
+    Handler = worker.SingleDirectionOffloadingHandler
+    takes_pinned = "host_memory_is_pinned" in inspect.signature(Handler).parameters
+    import vllm
+
+    assert takes_pinned == (not vllm.__version__.startswith("0.30."))
+    layout = contiguous_layout()
+    engine = CopyEngine()
+    with stubbed_vllm(engine):
+        plugin.patch()
+
+        def load_handler() -> Any:
+            return Handler(
+                gpu_tensors=list(layout.gpu_tensors),
+                cpu_tensors=list(layout.cpu_tensors),
+                blocks_per_chunk=layout.blocks_per_chunk,
+                layer_refs_per_group=layout.refs,
+                gpu_to_cpu=False,
+                **({} if pinned else {"host_memory_is_pinned": False}),
+            )
+
+        if not pinned and not takes_pinned:
+            with pytest.raises(TypeError, match="host_memory_is_pinned"):
+                load_handler()
+            return
+        handler = load_handler()
+        assert handler._ptrres_plan.coalesce is not pinned
+        src, dst = specs(range(4, 12), [8], [0], [2, 3], gpu_to_cpu=False)
+        assert handler.transfer_async(1, src, dst)
+    (call,) = (triton if pinned else engine).calls
+    assert not (engine if pinned else triton).calls
+    # Triton gets vLLM's 8 descriptors; swap_blocks_batch one merged run.
+    assert call.sizes.tolist() == ([64] * 8 if pinned else [8 * 64])

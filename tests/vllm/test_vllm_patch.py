@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import logging
 import os
 import re
@@ -33,18 +34,31 @@ def _unpatched() -> Iterator[None]:
     plugin.unpatch()
 
 
-def test_patch_replaces_transfer_async_and_unpatch_restores_the_original() -> None:
+HANDLER_PATCHES = [
+    "SingleDirectionOffloadingHandler.__init__",
+    "SingleDirectionOffloadingHandler.transfer_async",
+]
+
+
+def test_patch_replaces_the_handlers_methods_and_unpatch_restores_them() -> None:
     original = vars(Handler)["transfer_async"]
+    original_init = vars(Handler)["__init__"]
+    vllm_signature = inspect.signature(Handler)
     assert not plugin.is_patched()
-    assert plugin.patch() == ["SingleDirectionOffloadingHandler.transfer_async"]
+    assert plugin.patch() == HANDLER_PATCHES
     assert plugin.is_patched()
     assert vars(Handler)["transfer_async"] is plugin.transfer_async
-    assert plugin.patch() == ["SingleDirectionOffloadingHandler.transfer_async"]
+    assert vars(Handler)["__init__"] is not original_init
+    # The patched constructor takes (and shows) this release's arguments.
+    assert inspect.signature(Handler) == vllm_signature
+    assert plugin.patch() == HANDLER_PATCHES
     plugin.unpatch()
     assert not plugin.is_patched()
     assert vars(Handler)["transfer_async"] is original
+    assert vars(Handler)["__init__"] is original_init
     plugin.unpatch()  # a second unpatch changes nothing
     assert vars(Handler)["transfer_async"] is original
+    assert vars(Handler)["__init__"] is original_init
 
 
 def fake_pointer_utils(**overrides: Any) -> types.ModuleType:
@@ -115,7 +129,7 @@ def test_an_attribute_that_cannot_be_set_undoes_the_others(
 
 def test_no_pointer_utils_no_replacement() -> None:
     assert POINTER_UTILS not in sys.modules
-    assert plugin.patch() == ["SingleDirectionOffloadingHandler.transfer_async"]
+    assert plugin.patch() == HANDLER_PATCHES
 
 
 def assert_untouched(original: Any, module: types.ModuleType | None = None) -> None:
@@ -133,7 +147,22 @@ def assert_warns_once(match: str) -> None:
         assert plugin.patch() == []
 
 
-@pytest.mark.parametrize("version", ["0.34.0", "0.32.1", "1.0.0", "0.330.0", "dev"])
+def installed_release() -> str:
+    """The installed vLLM's release series ("0.33" for 0.33.0)."""
+    import vllm
+
+    return ".".join(vllm.__version__.split(".")[:2])
+
+
+def test_the_installed_release_is_a_tested_one() -> None:
+    """CI runs these tests on each tested release, never on another."""
+    assert installed_release() in plugin.SUPPORTED_VLLM
+    assert plugin.SUPPORTED_VLLM == ("0.30", "0.31", "0.32", "0.33")
+
+
+@pytest.mark.parametrize(
+    "version", ["0.34.0", "0.29.1", "1.0.0", "0.330.0", "0.3", "0.3.30", "dev"]
+)
 def test_untested_versions_are_left_alone(
     version: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -141,17 +170,37 @@ def test_untested_versions_are_left_alone(
 
     original = vars(Handler)["transfer_async"]
     monkeypatch.setattr(vllm, "__version__", version)
-    assert_warns_once(re.escape(version))
+    assert_warns_once(re.escape(version) + r" is not a tested version \(0\.30\.x, ")
     assert_untouched(original)
 
 
+@pytest.mark.parametrize("suffix", [".0", ".7", ".1.dev5+g1234abc", ".0+cu129", ""])
 def test_tested_versions_include_patch_releases(
-    monkeypatch: pytest.MonkeyPatch,
+    suffix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.33.2")
-    assert plugin.patch()
+    monkeypatch.setattr(vllm, "__version__", installed_release() + suffix)
+    assert plugin.patch() == HANDLER_PATCHES
+
+
+def test_each_release_is_held_to_its_own_constructor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """0.31 added host_memory_is_pinned to the handler's __init__: a vLLM
+    whose constructor is not its release's is left alone."""
+    import vllm
+
+    has_pinned = "host_memory_is_pinned" in inspect.signature(Handler).parameters
+    assert has_pinned == (installed_release() != "0.30")
+    original = vars(Handler)["transfer_async"]
+    for other in plugin.SUPPORTED_VLLM:
+        if (other != "0.30") == has_pinned:
+            continue
+        monkeypatch.setattr(vllm, "__version__", f"{other}.0")
+        assert_warns_once(r"__init__ has the signature")
+        assert_untouched(original)
+        plugin._warned.clear()
 
 
 def test_another_signature_leaves_everything_alone(
@@ -289,7 +338,7 @@ def test_the_entry_point_is_declared() -> None:
     )
     assert section is not None
     assert re.search(r'^ptrres = "ptrres\.vllm:register"$', section.group(1), re.M)
-    assert re.search(r'^vllm = \["vllm==0\.33\.\*"\]$', text, re.M)
+    assert re.search(r'^vllm = \["vllm>=0\.30,<0\.34"\]$', text, re.M)
 
 
 def test_vllm_finds_the_installed_entry_point() -> None:

@@ -1,4 +1,4 @@
-"""vLLM 0.33's own offloading handler, run on CPU tensors with stubbed streams.
+"""vLLM's own offloading handler (0.30 to 0.33), on CPU tensors with stubbed streams.
 
 The handler is built through its real ``__init__``: its GPU tensors are CPU
 tensors of a subclass that reports ``is_cuda``, streams and events are stubs,
