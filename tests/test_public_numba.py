@@ -102,13 +102,27 @@ def imported_violations(tree: ast.Module) -> tuple[list[str], set[str]]:
     return found, numba_names
 
 
-def attribute_violation(node: ast.Attribute, check_private: bool) -> str | None:
-    """numba.<not public>, or a private attribute of a non-self object."""
+def own_modules(tree: ast.Module) -> set[str]:
+    """Names that imports bind to ptrres's own modules (``from . import vllm``):
+    their private attributes are ptrres's, not Numba's."""
+    names = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level > 0 or (node.module or "").split(".")[0] == "ptrres":
+            names.update(alias.asname or alias.name for alias in node.names)
+    return names
+
+
+def attribute_violation(
+    node: ast.Attribute, check_private: bool, own_names: set[str]
+) -> str | None:
+    """numba.<not public>, or a private attribute of an object not ptrres's."""
     chain = dotted(node)
     if chain and chain.startswith("numba.") and chain.split(".")[1] not in PUBLIC_NUMBA:
         return f"{node.lineno}: {chain}"
     base = node.value
-    own = isinstance(base, ast.Name) and base.id in {"self", "cls"}
+    own = isinstance(base, ast.Name) and base.id in {"self", "cls", *own_names}
     if not check_private or own or chain in DOCUMENTED_PRIVATE:
         return None
     return (
@@ -141,9 +155,12 @@ def violations(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     found, numba_names = imported_violations(tree)
     check_private = handles_numba_objects(tree) and path.name != VLLM_BOUNDARY
+    own_names = own_modules(tree) - {"KERNELS"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            found.extend(filter(None, [attribute_violation(node, check_private)]))
+            found.extend(
+                filter(None, [attribute_violation(node, check_private, own_names)])
+            )
         elif isinstance(node, ast.Call):
             found.extend(call_violations(node, path.name != VLLM_BOUNDARY))
         elif isinstance(node, ast.Dict):
