@@ -1,12 +1,12 @@
 """``ptrres bench`` on two checkouts, in alternating fresh processes.
 
 Each round runs ``python -m ptrres bench --json`` once in checkout A, then once
-in checkout B (each with its own PYTHONPATH and a warm Numba cache). A cell's
-figure is ptrres's time over the reference's, measured interleaved in one
-process; the reference's code is the same in both checkouts, so dividing by it
-cancels most of what the shared machine does to one process. The table gives,
-per operation, the geometric mean over cells of B's figure over A's (median
-over rounds): below 1.00 B is faster.
+in checkout B (each with its own PYTHONPATH and a warm Numba cache; the order
+alternates between rounds). A cell's figure is ptrres's time in it, the median
+over rounds. (Dividing by the reference's time, measured beside it, was
+tried: numpy's large-array timings swing up to 5x between processes, more
+than ptrres's.) The table gives, per operation, the geometric mean over cells
+of B's figure over A's: below 1.00 B is faster.
 
 Run: python benchmarks/ab_bench.py A_DIR B_DIR [--rounds 3] [--operation plan]
      [-- extra ptrres bench arguments, e.g. --quick]
@@ -28,7 +28,7 @@ Cells = dict[tuple[str, str, int], float]
 
 
 def bench(checkout: str, operation: str, extra: list[str]) -> Cells:
-    """One ``ptrres bench`` run in ``checkout``: each cell's normalised time."""
+    """One ``ptrres bench`` run in ``checkout``: ptrres's time in each cell."""
     with tempfile.TemporaryDirectory() as out:
         path = os.path.join(out, "bench.json")
         command = [sys.executable, "-m", "ptrres", "bench", "--operation", operation]
@@ -51,12 +51,12 @@ def bench(checkout: str, operation: str, extra: list[str]) -> Cells:
                             f"canonical-{kind}",
                             row["blocks_per_group"],
                         )
-                        cells[key] = row[f"{kind}_seconds"] / row["peer_seconds"]
+                        cells[key] = row[f"{kind}_seconds"]
             return cells
         with open(path) as f:
             for row in json.load(f)["results"]:
                 key = (row["preset"], row["operation"], row["blocks_per_group"])
-                cells[key] = row["ptrres_seconds"] / row["reference_seconds"]
+                cells[key] = row["ptrres_seconds"]
         return cells
 
 
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("a")
     parser.add_argument("b")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--worst", type=int, default=0, help="cells to list")
     parser.add_argument(
         "--operation",
         action="append",
@@ -85,10 +86,14 @@ def main() -> None:
                     samples[side][key].append(value)
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     ratios: dict[str, list[float]] = defaultdict(list)
+    cells = []
     for key, values in samples["a"].items():
         if key in samples["b"]:
             ratio = statistics.median(samples["b"][key]) / statistics.median(values)
             ratios[key[1]].append(ratio)
+            cells.append((ratio, key))
+    for ratio, key in sorted(cells, reverse=True)[: args.worst]:
+        print(f"  {ratio:5.2f}  {key[1]} {key[0]} {key[2]} blocks", file=sys.stderr)
     print(f"B = {args.b} over A = {args.a}, {args.rounds} alternating rounds")
     print(f"{'operation':<18} {'cells':>5} {'geomean':>8} {'min':>6} {'max':>6}")
     everything = []

@@ -132,9 +132,7 @@ def plan_kernel(
         if merge:
             written = fill_merged(out, written, tables, refs, blocks, runs, cap)
         else:
-            for ref in range(refs[0], refs[1]):
-                rows = rows_of(tables, ref)
-                written = fill_blocks(out, written, blocks, rows, ZERO)
+            written = fill_blocks(out, written, tables, blocks, refs, ZERO)
     return np.int64(written)
 
 
@@ -220,39 +218,47 @@ def map_chunks(chunks: IntArray, skip: np.uint64, bpc: np.uint64, blocks: Any) -
 
 @inline_helper
 def fill_blocks(
-    out: Any, written: np.uint64, blocks: Any, rows: Any, first_k: np.uint64
+    out: Any, written: np.uint64, tables: Any, blocks: Any, refs: Any, first_k: Any
 ) -> Any:
     """Append one descriptor per block of a group, from block first_k on, for
-    one ref: one branch-free loop per output, so that each vectorises. (One
-    loop writing all three vectorised too, behind more overlap checks, and
-    ran 1.5-2x slower from 256 blocks on.)
+    each ref of ``refs`` (first, one past the last): one branch-free loop per
+    output, so that each vectorises. (One loop writing all three vectorised
+    too, behind more overlap checks, and ran 1.5-2x slower from 256 blocks
+    on.) The refs loop here, not in the caller: a call per ref passing arrays
+    costs Numba's reference counting of each, about 25 ns a ref.
 
     Args:
-        out, written, blocks, rows: as coalesce.append_capped.
+        out, written, blocks: as coalesce.append_capped.
+        tables: (ref_table, offloaded_refs).
 
     Returns:
         The new number of descriptors.
     """
     dev_out, off_out, sizes = out
     ids, chunk_of, sub_block_of = blocks
-    ref_row, off_row = rows
-    # Locals, read once: the outputs might alias the rows as far as the
-    # compiler knows, and loads in the loop would keep it from vectorising.
-    base_ptr, row_stride = ref_row[BASE_PTR], ref_row[ROW_STRIDE]
-    page_size = ref_row[PAGE_SIZE]
-    off_base_ptr, off_row_stride = off_row[OFF_BASE_PTR], off_row[OFF_ROW_STRIDE]
-    sub_bytes = off_row[OFF_SUB_BYTES]
+    ref_table, offloaded_refs = tables
     n_blocks = np.uint64(ids.shape[0])
-    shift = written - first_k
-    for k in range(first_k, n_blocks):
-        dev_out[shift + k] = base_ptr + np.int64(ids[k]) * row_stride
-    for k in range(first_k, n_blocks):
-        off_out[shift + k] = (
-            off_base_ptr + chunk_of[k] * off_row_stride + sub_block_of[k] * sub_bytes
-        )
-    for k in range(first_k, n_blocks):
-        sizes[shift + k] = page_size
-    return written + n_blocks - first_k
+    for ref in range(refs[0], refs[1]):
+        # Locals, read once: the outputs might alias the tables as far as the
+        # compiler knows, and loads in the loop would keep it from vectorising.
+        base_ptr, row_stride = ref_table[ref, BASE_PTR], ref_table[ref, ROW_STRIDE]
+        page_size = ref_table[ref, PAGE_SIZE]
+        off_base_ptr = offloaded_refs[ref, OFF_BASE_PTR]
+        off_row_stride = offloaded_refs[ref, OFF_ROW_STRIDE]
+        sub_bytes = offloaded_refs[ref, OFF_SUB_BYTES]
+        shift = written - first_k
+        for k in range(first_k, n_blocks):
+            dev_out[shift + k] = base_ptr + np.int64(ids[k]) * row_stride
+        for k in range(first_k, n_blocks):
+            off_out[shift + k] = (
+                off_base_ptr
+                + chunk_of[k] * off_row_stride
+                + sub_block_of[k] * sub_bytes
+            )
+        for k in range(first_k, n_blocks):
+            sizes[shift + k] = page_size
+        written += n_blocks - first_k
+    return written
 
 
 @inline_helper
@@ -352,7 +358,7 @@ def fill_unmergeable(
                 last = (last[0], last[1], last[2] + page)
                 sizes[written - ONE] = last[2]
                 first_k = ONE
-        written = fill_blocks(out, written, blocks, rows, first_k)
+        written = fill_blocks(out, written, tables, blocks, (ref, ref + 1), first_k)
         if n_blocks > first_k:
             dev_ptr, off_ptr = block_pointers(rows, blocks, n_blocks - ONE)
             last = (dev_ptr, off_ptr, page)
