@@ -70,7 +70,6 @@ def run_plan(
     counts: GroupCounts,
     offloaded_ids: Any,
     offloaded: OffloadedLayout,
-    *,
     store: bool,
     out: Buffers | None,
     coalesce: bool,
@@ -125,11 +124,15 @@ def run_plan(
     return TransferPlan(src, dst, sizes, num_bytes)
 
 
+# Resolved pointers as read: ptrs, sizes, and the number of blocks behind them.
+DevicePointerArrays = tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], int]
+
+
 def read_device_pointers(
     device_ptrs: Any, ref_counts: tuple[int, ...], page_bytes: tuple[int, ...]
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], GroupCounts]:
-    """Resolved pointers' ptrs and sizes, and their groups checked against a
-    layout of these refs per group and bytes per block (check_groups)."""
+) -> tuple[DevicePointerArrays, GroupCounts]:
+    """Resolved pointers' arrays, and their groups checked against a layout
+    of these refs per group and bytes per block (check_groups)."""
     raw_ptrs, raw_sizes, raw_counts, raw_ref_counts, raw_indices = attributes(
         device_ptrs, DEVICE_POINTERS_FIELDS, "device_ptrs"
     )
@@ -160,18 +163,19 @@ def read_device_pointers(
             f"device_ptrs has {len(ptrs)} ptrs and {len(sizes)} sizes, but its "
             f"groups make {counts.n_ops} ops"
         )
-    return ptrs, sizes, counts
+    return (ptrs, sizes, n_block_ids), counts
 
 
 def block_ids_behind(
     ref_table: IntTable,
     group_ref_start: IntTable,
     group_sizes: IntTable,
-    pointers: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]],
+    pointers: DevicePointerArrays,
     counts: GroupCounts,
     offloaded_ids: Any,
     blocks_per_chunk: int,
     ref_rows: Groups,
+    ref_counts: tuple[int, ...],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any]]:
     """The block ids behind resolved pointers, every pointer checked, and the
     offloaded ids checked against the groups' chunks.
@@ -179,18 +183,18 @@ def block_ids_behind(
     Args:
         ref_table, group_ref_start: the table's.
         group_sizes: counts' group sizes as an int64 array.
-        pointers: read_device_pointers()'s ptrs and sizes.
-        ref_rows: the table's refs, group by group, for error messages.
+        pointers: read_device_pointers()'s ptrs, sizes and block count.
+        ref_rows, ref_counts: the table's refs, group by group (for error
+            messages), and how many each group has.
 
     Returns:
         The block ids, and the offloaded ids as block_ids_arg() makes them.
     """
-    ptrs, sizes = pointers
+    ptrs, sizes, n_block_ids = pointers
     # A group without refs has no pointers to bound its size, only its
     # share of the offloaded ids: a size they cannot cover fails here,
     # before an id is allocated for each of its blocks.
     chunk_ids = block_ids_arg(offloaded_ids, "offloaded_ids")
-    ref_counts = [len(refs) for refs in ref_rows]
     unbounded = sum(n for n, r in zip(counts.group_sizes, ref_counts) if not r)
     if unbounded > len(chunk_ids) * blocks_per_chunk:
         count_error = chunk_count_error(
@@ -198,7 +202,7 @@ def block_ids_behind(
         )
         if count_error is not None:  # always: they span more chunks
             raise count_error
-    block_ids = np.empty(sum(counts.group_sizes), np.int64)
+    block_ids = np.empty(n_block_ids, np.int64)
     bad_op = _kernels.block_ids_from_pointers(
         ref_table, group_ref_start, group_sizes, ptrs, sizes, block_ids
     )

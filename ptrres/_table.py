@@ -33,6 +33,7 @@ from ._groups import (
     groups_array,
     sizes_array,
 )
+from ._kernels.common import NO_CAP
 from ._offloaded import OffloadedLayout
 from ._results import DevicePointers, FilePlan, StridedTransferPlan, TransferPlan
 
@@ -242,7 +243,7 @@ class PointerTable:
             DevicePointerError: a pointer that is not a block of its tensor.
             the errors of plan_transfer().
         """
-        ptrs, sizes, counts = _plan.read_device_pointers(
+        pointers, counts = _plan.read_device_pointers(
             device_ptrs, self.group_data_ref_counts, self.group_page_bytes
         )
         self._offloaded_refs(offloaded)  # an OffloadedLayout that fits
@@ -250,11 +251,12 @@ class PointerTable:
             self.ref_table,
             self.group_ref_start,
             sizes_array(self._group_arrays, counts.group_sizes),
-            (ptrs, sizes),
+            pointers,
             counts,
             offloaded_ids,
             offloaded.blocks_per_chunk,
             self._groups,
+            self.group_data_ref_counts,
         )
         return self._transfer(
             block_ids, counts, offloaded, chunk_ids, store, out, coalesce,
@@ -341,9 +343,9 @@ class PointerTable:
             block_ids,
             counts,
             offloaded_ids,
-            store=store,
-            out=out,
-            ref_rows=self._groups,
+            store,
+            out,
+            self._groups,
         )
 
     def _read_spec(self, device_spec: Any) -> tuple[npt.NDArray[Any], GroupCounts]:
@@ -380,7 +382,8 @@ class PointerTable:
             raise InputTypeError(f"store must be True or False, got {store!r}")
         if type(coalesce) is not bool:
             raise InputTypeError(f"coalesce must be True or False, got {coalesce!r}")
-        max_run = max_run_arg(max_run_bytes)
+        # The usual None without a call: that pays for this method's frame.
+        max_run = NO_CAP if max_run_bytes is None else max_run_arg(max_run_bytes)
         ref_table = self.ref_table
         cached = self._offloaded  # inline: a method call costs on every plan
         if cached is not None and cached[0] is offloaded:
@@ -404,11 +407,11 @@ class PointerTable:
                     block_ids,
                     counts,
                     offloaded_ids,
-                    store=store,
-                    out=out,
-                    coalesce=coalesce,
-                    max_run=max_run,
-                    ref_rows=self._groups,
+                    store,
+                    out,
+                    coalesce,
+                    max_run,
+                    self._groups,
                 )
             ref_table, offloaded_refs = direct.ref_table, direct.offloaded_refs
             num_bytes = sum(
@@ -417,6 +420,7 @@ class PointerTable:
             counts = counts._replace(num_bytes=num_bytes)
         else:
             offloaded_refs = self._offloaded_refs(offloaded)
+        # Positional, here and above: keywords cost a tenth of a microsecond.
         return _plan.run_plan(
             ref_table,
             self.group_ref_start,
@@ -426,11 +430,11 @@ class PointerTable:
             counts,
             offloaded_ids,
             offloaded,
-            store=store,
-            out=out,
-            coalesce=coalesce,
-            max_run=max_run,
-            ref_rows=self._groups,
+            store,
+            out,
+            coalesce,
+            max_run,
+            self._groups,
         )
 
     def _plan_tables(self, offloaded: OffloadedLayout) -> _mappings.PlanTables:
