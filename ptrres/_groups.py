@@ -1,9 +1,11 @@
-"""A transfer's groups: its counts checked against a layout, and vLLM's
-per-group metadata of resolved pointers (iter_pointer_groups).
+"""A transfer's groups: its counts checked against a layout, their kernel
+arrays, and vLLM's per-group metadata of resolved pointers.
 
 PointerTable checks a spec's group sizes and block indices here
-(check_groups) and hands the planners the result, a GroupCounts; the file
-tier walks resolved pointers group by group with iter_pointer_groups.
+(check_groups) and hands the planners the result, a GroupCounts, with the
+int64 arrays kernels take of it (sizes_array, groups_array: memoised per
+table). The file tier walks resolved pointers group by group with
+iter_pointer_groups, which _pointer_utils re-exports as vLLM's drop-in.
 """
 
 from __future__ import annotations

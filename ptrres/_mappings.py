@@ -182,21 +182,11 @@ def canonical_tables(
             block_bytes = 0
             for r, run in enumerate(ref_runs):
                 _check_run(run, local_page, canonical_page, f"{where}, run {r}")
-                offset, canonical, size, count, stride, canonical_stride = run
+                size, count = run[2], run[3]
                 if count == 0:
                     continue
                 runs.append(run)
-                rows = np.arange(count, dtype=np.int64)
-                run_fragments = np.zeros((count, ck.ITEM_COLUMNS), np.int64)
-                run_fragments[:, ck.LOCAL_OFFSET] = offset + rows * stride
-                run_fragments[:, ck.CANONICAL_OFFSET] = (
-                    canonical + rows * canonical_stride
-                )
-                run_fragments[:, ck.WIDTH] = size
-                run_fragments[:, ck.HEIGHT] = 1
-                run_fragments[:, ck.LOCAL_STRIDE] = size
-                run_fragments[:, ck.CANONICAL_STRIDE] = size
-                fragments.append(run_fragments)
+                fragments.append(_run_fragments(run))
                 n_fragments += count
                 block_bytes += size * count
             mergeable = [
@@ -234,6 +224,20 @@ def canonical_tables(
         tuple(group_runs),
         _as_direct(ref_table, group_ref_start, offloaded_refs, fragment_refs, items),
     )
+
+
+def _run_fragments(run: tuple[int, ...]) -> IntTable:
+    """A run's fragments as items (n_fragments, ITEM_COLUMNS): one row each."""
+    offset, canonical, size, count, stride, canonical_stride = run
+    rows = np.arange(count, dtype=np.int64)
+    fragments = np.zeros((count, ck.ITEM_COLUMNS), np.int64)
+    fragments[:, ck.LOCAL_OFFSET] = offset + rows * stride
+    fragments[:, ck.CANONICAL_OFFSET] = canonical + rows * canonical_stride
+    fragments[:, ck.WIDTH] = size
+    fragments[:, ck.HEIGHT] = 1
+    fragments[:, ck.LOCAL_STRIDE] = size
+    fragments[:, ck.CANONICAL_STRIDE] = size
+    return fragments
 
 
 def _as_direct(
