@@ -18,6 +18,7 @@ import numpy.typing as npt
 from . import _kernels
 from ._args import (
     DEVICE_POINTERS_FIELDS,
+    Buffers,
     as_int,
     descriptor_array,
     max_run_arg,
@@ -31,7 +32,6 @@ from ._groups import GroupCounts, iter_pointer_groups
 from ._kernels.files import FILE_BYTES, FILE_GROUP, FILE_START
 from ._results import DevicePointers, FilePlan
 
-Buffers = tuple[npt.NDArray[Any], ...]
 IntTable = npt.NDArray[np.int64]
 
 # The layouts of a file (SPEC 11), and whether each is block-major.

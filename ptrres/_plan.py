@@ -19,6 +19,7 @@ from ._args import (
     DEVICE_POINTERS_FIELDS,
     INT64,
     SRC_DST_SIZES,
+    Buffers,
     as_int,
     as_list,
     attributes,
@@ -34,7 +35,6 @@ from ._offloaded import OffloadedLayout
 from ._results import TransferPlan
 
 IntTable = npt.NDArray[np.int64]
-Buffers = tuple[npt.NDArray[Any], ...]
 
 # Rows of the plan kernel's scratch: chunk and sub-block of each block of a
 # group, then the group's runs (kernels.coalesce.find_runs).

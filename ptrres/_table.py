@@ -18,6 +18,7 @@ from . import _canonical, _files, _kernels, _mappings, _plan
 from ._args import (
     PTRS_SIZES,
     SPEC_FIELDS,
+    Buffers,
     block_ids_arg,
     max_run_arg,
     missing_attributes,
@@ -36,8 +37,6 @@ from ._groups import (
 from ._kernels.common import NO_CAP
 from ._offloaded import OffloadedLayout
 from ._results import DevicePointers, FilePlan, StridedTransferPlan, TransferPlan
-
-Buffers = tuple[npt.NDArray[Any], ...]
 
 
 class PointerTable:
