@@ -196,6 +196,8 @@ def descriptor_array(values: Any, what: str) -> npt.NDArray[np.uint64]:
     return view
 
 
+# The out= buffers callers pass: (ptrs, sizes), (src, dst, sizes), ...
+Buffers = tuple[npt.NDArray[Any], ...]
 # What the out= buffers of each call are, in order (for out_arrays).
 PTRS_SIZES = ("out[0] (ptrs)", "out[1] (sizes)")
 

@@ -1,61 +1,25 @@
-"""Canonical offloaded layouts and strided plans (SPEC 10), the Python side.
+"""Canonical and strided plans (SPEC 10): the kernel run, and its errors.
 
-A table reads its refs' mappings when it is built. The first plan against a
-canonical OffloadedLayout checks them and flattens them into int64 tables
-(every ref's fragments, every ref's runs), cached with the layout as the
-direct plan caches its offloaded table: later plans only coerce their ids and
-run one kernel, with no Python loop over runs or fragments. The tables also
-say which refs may ever merge (may_merge), and give layouts of one fragment
-per ref a direct form, whose merged plans plan_kernel fills (as_direct).
+PointerTable checks the spec and builds (or finds cached) the layout's
+kernel tables (_mappings.PlanTables); plan() and plan_strided() size the
+outputs, run the canonical kernel on them and turn a failure into its error.
 """
 
 from __future__ import annotations
 
-import math
-from itertools import pairwise
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from . import _kernels
-from ._args import (
-    INT64,
-    SPEC_FIELDS,
-    SRC_DST_SIZES,
-    as_int,
-    as_list,
-    attributes,
-    block_ids_arg,
-    missing_attributes,
-    out_arrays,
-)
+from ._args import INT64, SRC_DST_SIZES, block_ids_arg, out_arrays
 from ._diagnose import failed_plan_error
-from ._errors import InputTypeError, LayoutError
-from ._geometry import RefRow, tensor_geometry
-from ._kernels import canonical as ck
-from ._kernels.common import BASE_PTR, OFF_BASE_PTR, PAGE_SIZE
-from ._offloaded import OffloadedLayout
+from ._geometry import Groups
+from ._groups import GroupCounts
+from ._mappings import PlanTables
 from ._results import StridedTransferPlan, TransferPlan
 
-if TYPE_CHECKING:
-    from ._table import GroupCounts, PointerTable
-
-MAPPING_FIELDS = (
-    "canonical_page_size_bytes",
-    "local_page_size_bytes",
-    "runs",
-    "num_writers",
-    "writer_index",
-)
-RUN_FIELDS = (
-    "local_offset",
-    "canonical_offset",
-    "fragment_size",
-    "num_fragments",
-    "local_stride",
-    "canonical_stride",
-)
 # The out= buffers of a strided plan, in order.
 STRIDED_BUFFERS = (
     *SRC_DST_SIZES[:2],
@@ -70,399 +34,44 @@ _NO_ROWS = np.empty(0, np.uint64)
 IntTable = npt.NDArray[np.int64]
 
 
-class RefMapping(NamedTuple):
-    """A ref's mapping as the table read it, with the bytes its page may span."""
-
-    # The ref's mapping object (vLLM's or ours), or None.
-    mapping: Any
-    # The ref's page must end within this many bytes of its row start.
-    row_limit: int
-
-
-class PlanTables(NamedTuple):
-    """Everything the kernel needs about one (table, offloaded layout)."""
-
-    offloaded: OffloadedLayout
-    # (n_refs, OFF_COLUMNS): the offloaded tensor of each ref.
-    offloaded_refs: IntTable
-    # Per-ref item ranges and writers, and the items, (ITEM_COLUMNS, n_items):
-    # fragments (flat plans).
-    fragment_refs: IntTable
-    fragments: IntTable
-    # The same for runs (strided plans).
-    run_refs: IntTable
-    runs: IntTable
-    # Fragments and runs one block of each group adds, over all its refs.
-    group_fragments: tuple[int, ...]
-    group_runs: tuple[int, ...]
-    # When every ref has exactly one fragment: the layout as a direct one,
-    # for plan_kernel (as_direct), else None.
-    direct: DirectTables | None
-
-
-class DirectTables(NamedTuple):
-    """A canonical layout of one fragment per ref, as a direct layout: each
-    ref's rows start at its fragment's offsets and its page is the fragment."""
-
-    ref_table: IntTable
-    offloaded_refs: IntTable
-    # Whether every mapping has one writer (so that stores keep every block).
-    one_writer: bool
-    # Bytes one block of each group copies, over all its refs.
-    group_bytes: tuple[int, ...]
-
-
-def read_ref_mappings(kv_caches: Any) -> tuple[RefMapping, ...]:
-    """Each ref's mapping (or None), in copy order, and its row's byte limit.
-
-    Called once the table has read (and checked) the layout; the mappings are
-    checked when a canonical layout first needs them.
-    """
-    tensors = as_list(kv_caches.tensors, "kv_caches.tensors")
-    limits = []
-    for t, entry in enumerate(tensors):
-        geometry = tensor_geometry(entry.tensor, t)
-        limits.append(min(geometry.row_stride_bytes, geometry.row_bytes))
-    return tuple(
-        RefMapping(getattr(ref, "mapping", None), limits[ref.tensor_idx])
-        for refs in as_list(kv_caches.group_data_refs, "group_data_refs")
-        for ref in as_list(refs, "group_data_refs[]")
-    )
-
-
-def plan_tables(table: PointerTable, offloaded: Any) -> PlanTables:
-    """The kernel tables of a table with an offloaded layout, checked, cached."""
-    cached = table._canonical
-    if cached is not None and cached.offloaded is offloaded:
-        return cached
-    if not isinstance(offloaded, OffloadedLayout):
-        raise InputTypeError(
-            f"offloaded must be an OffloadedLayout, got {type(offloaded).__name__}"
-        )
-    if offloaded.canonical:
-        tables = _canonical_tables(table, offloaded)
-    else:
-        tables = _direct_tables(table, offloaded)
-    table._canonical = tables
-    return tables
-
-
-def _direct_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTables:
-    """A direct layout as items: each ref one whole-page row, one writer."""
-    pages = [ref.page_size_bytes for group in table._groups for ref in group]
-    n_refs = len(pages)
-    items = np.zeros((n_refs, ck.ITEM_COLUMNS), np.int64)
-    items[:, ck.WIDTH] = pages
-    items[:, ck.HEIGHT] = 1
-    items[:, ck.LOCAL_STRIDE] = pages
-    items[:, ck.CANONICAL_STRIDE] = pages
-    ref_items = np.zeros((n_refs, ck.REF_ITEM_COLUMNS), np.int64)
-    ref_items[:, ck.FIRST_ITEM] = np.arange(n_refs)
-    ref_items[:, ck.END_ITEM] = np.arange(1, n_refs + 1)
-    ref_items[:, ck.NUM_WRITERS] = 1
-    ref_items[:, ck.BLOCK_BYTES] = pages
-    ref_items[:, ck.LOAD_MAY_MERGE] = ref_items[:, ck.STORE_MAY_MERGE] = 1
-    counts = table.group_data_ref_counts
-    return PlanTables(
-        offloaded,
-        table._offloaded_refs(offloaded),
-        ref_items,
-        _by_column(items),
-        ref_items,
-        _by_column(items),
-        counts,
-        counts,
-        None,  # the plan kernel takes direct layouts as they are
-    )
-
-
-def _canonical_tables(table: PointerTable, offloaded: OffloadedLayout) -> PlanTables:
-    """Check every ref's mapping against its row and sub-block; flatten them."""
-    offloaded_rows = []
-    fragment_refs, run_refs = [], []
-    fragments: list[npt.NDArray[np.int64]] = []
-    runs: list[tuple[int, ...]] = []
-    n_fragments = 0
-    group_fragments, group_runs = [], []
-    ref_mappings = iter(table._ref_mappings)
-    for group, refs in enumerate(table._groups):
-        fragments_before, runs_before = n_fragments, len(runs)
-        for d, ref in enumerate(refs):
-            mapping, row_limit = next(ref_mappings)
-            fields, ref_runs = _read_mapping(mapping, group, d)
-            canonical_page, local_page, n_writers, writer = fields
-            where = f"group {group}, ref {d} (tensor {ref.tensor_idx})"
-            if local_page > row_limit:
-                raise LayoutError(
-                    f"{where}: the mapping's local page of {local_page} B is "
-                    f"larger than a row of the tensor ({row_limit} B)"
-                )
-            offloaded_rows.append(_offloaded_row(offloaded, ref, canonical_page, where))
-            first_run, first_fragment = len(runs), n_fragments
-            block_bytes = 0
-            for r, run in enumerate(ref_runs):
-                _check_run(run, local_page, canonical_page, f"{where}, run {r}")
-                offset, canonical, size, count, stride, canonical_stride = run
-                if count == 0:
-                    continue
-                runs.append(run)
-                rows = np.arange(count, dtype=np.int64)
-                run_fragments = np.zeros((count, ck.ITEM_COLUMNS), np.int64)
-                run_fragments[:, ck.LOCAL_OFFSET] = offset + rows * stride
-                run_fragments[:, ck.CANONICAL_OFFSET] = (
-                    canonical + rows * canonical_stride
-                )
-                run_fragments[:, ck.WIDTH] = size
-                run_fragments[:, ck.HEIGHT] = 1
-                run_fragments[:, ck.LOCAL_STRIDE] = size
-                run_fragments[:, ck.CANONICAL_STRIDE] = size
-                fragments.append(run_fragments)
-                n_fragments += count
-                block_bytes += size * count
-            mergeable = [
-                may_merge(
-                    runs[first_run:], ref.row_stride_bytes, offloaded_rows[-1],
-                    writers, offloaded.blocks_per_chunk,
-                )
-                for writers in (1, n_writers)  # a load keeps every block
-            ]  # fmt: skip
-            fragment_refs.append(
-                (
-                    first_fragment,
-                    n_fragments,
-                    n_writers,
-                    writer,
-                    block_bytes,
-                    *mergeable,
-                )
-            )
-            run_refs.append(
-                (first_run, len(runs), n_writers, writer, block_bytes, True, True)
-            )
-        group_fragments.append(n_fragments - fragments_before)
-        group_runs.append(len(runs) - runs_before)
-    offloaded_refs = _int_table(offloaded_rows, _kernels.OFF_COLUMNS)
-    items = np.concatenate(fragments) if fragments else _int_table([], ck.ITEM_COLUMNS)
-    return PlanTables(
-        offloaded,
-        offloaded_refs,
-        _int_table(fragment_refs, ck.REF_ITEM_COLUMNS),
-        _by_column(items),
-        _int_table(run_refs, ck.REF_ITEM_COLUMNS),
-        _by_column(_int_table(runs, ck.ITEM_COLUMNS)),
-        tuple(group_fragments),
-        tuple(group_runs),
-        _as_direct(table, offloaded_refs, fragment_refs, items),
-    )
-
-
-def _as_direct(
-    table: PointerTable,
-    offloaded_refs: IntTable,
-    fragment_refs: list[tuple[int, ...]],
-    items: IntTable,
-) -> DirectTables | None:
-    """The layout as a direct one, when every ref has exactly one fragment.
-
-    Args:
-        offloaded_refs: the canonical tables' (not changed).
-        items: every ref's fragments, (n_fragments, ITEM_COLUMNS).
-    """
-    if any(ref[ck.END_ITEM] - ref[ck.FIRST_ITEM] != 1 for ref in fragment_refs):
-        return None
-    ref_table = table.ref_table.copy()
-    ref_table[:, BASE_PTR] += items[:, ck.LOCAL_OFFSET]
-    ref_table[:, PAGE_SIZE] = items[:, ck.WIDTH]
-    offloaded_refs = offloaded_refs.copy()
-    offloaded_refs[:, OFF_BASE_PTR] += items[:, ck.CANONICAL_OFFSET]
-    starts = table.group_ref_start
-    return DirectTables(
-        ref_table,
-        offloaded_refs,
-        all(ref[ck.NUM_WRITERS] == 1 for ref in fragment_refs),
-        tuple(
-            int(items[starts[g] : starts[g + 1], ck.WIDTH].sum())
-            for g in range(len(starts) - 1)
-        ),
-    )
-
-
-def as_direct(
-    table: PointerTable, offloaded: OffloadedLayout, store: bool
-) -> DirectTables | None:
-    """The direct tables a coalesced flat plan of a canonical layout runs on:
-    plan_kernel merges while it fills, where the canonical kernel merges what
-    it wrote (a copy's worth once one pair merges). None where the layout
-    has refs of several fragments, or for stores that keep a writer's blocks."""
-    direct = plan_tables(table, offloaded).direct
-    if direct is None or (store and not direct.one_writer):
-        return None
-    return direct
-
-
-def may_merge(
-    runs: list[tuple[int, ...]],
-    row_stride: int,
-    offloaded_row: tuple[int, ...],
-    num_writers: int,
-    blocks_per_chunk: int,
-) -> bool:
-    """Whether two of a ref's fragments may ever continue each other on both
-    sides, in a flat plan of any block ids (False only when proven never).
-
-    Within a block, fragment i continues fragment i - 1 only where both its
-    offsets do. Across two kept blocks, the first fragment continues the
-    last when the device steps (row_stride apart, times an id difference)
-    and the offloaded ones (row and sub-block steps) both span the gap
-    between them: the gap must be a multiple of row_stride, and of the
-    offloaded steps' gcd. Pages a writer keeps (num_writers > 1) are
-    num_writers canonical pages apart, a multiple of num_writers sub-blocks
-    when rows hold exactly blocks_per_chunk of them.
-
-    Args:
-        runs: the ref's runs, as RUN_FIELDS tuples (count > 0).
-        offloaded_row: the ref's offloaded tensor, as OffloadedGeometry.
-    """
-    fragments = [
-        (offset + i * stride, canonical + i * canonical_stride, size)
-        for offset, canonical, size, count, stride, canonical_stride in runs
-        for i in range(count)
-    ]
-    if not fragments:
-        return False
-    for (local, canonical, size), (next_local, next_canonical, _) in pairwise(
-        fragments
-    ):
-        if local + size == next_local and canonical + size == next_canonical:
-            return True
-    last_local, last_canonical, last_size = fragments[-1]
-    device_gap = last_local + last_size - fragments[0][0]
-    offloaded_gap = last_canonical + last_size - fragments[0][1]
-    off_row_stride, sub_bytes = offloaded_row[1], offloaded_row[2]
-    offloaded_step = math.gcd(off_row_stride, sub_bytes)
-    if num_writers > 1 and off_row_stride == blocks_per_chunk * sub_bytes:
-        offloaded_step = num_writers * sub_bytes
-    return bool(
-        (row_stride == 0 or device_gap % row_stride == 0)
-        and (offloaded_step == 0 or offloaded_gap % offloaded_step == 0)
-    )
-
-
-def _int_table(rows: list[Any], columns: int) -> IntTable:
-    return np.array(rows, dtype=np.int64).reshape(len(rows), columns)
-
-
-def _by_column(items: IntTable) -> IntTable:
-    """Items as the kernel takes them: one contiguous row per column."""
-    return np.ascontiguousarray(items.T)
-
-
-def _read_mapping(
-    mapping: Any, group: int, d: int
-) -> tuple[tuple[int, int, int, int], list[tuple[int, ...]]]:
-    """A ref's mapping fields and runs as ints, checked on their own."""
-    where = f"group {group}, ref {d}"
-    if mapping is None:
-        raise LayoutError(
-            f"{where} has no mapping, but the offloaded layout is canonical: "
-            "every ref needs one (vLLM's canonical_layout)"
-        )
-    raw = attributes(mapping, MAPPING_FIELDS, f"{where}: mapping")
-    canonical_page, local_page, n_writers, writer = (
-        as_int(raw[i], "{}: mapping.{}", where, MAPPING_FIELDS[i]) for i in (0, 1, 3, 4)
-    )
-    for name, value in (
-        ("canonical_page_size_bytes", canonical_page),
-        ("local_page_size_bytes", local_page),
-    ):
-        if value < 0:
-            raise LayoutError(f"{where}: mapping.{name} is negative ({value})")
-    if n_writers < 1:
-        raise LayoutError(f"{where}: mapping.num_writers must be >= 1, got {n_writers}")
-    if not 0 <= writer < n_writers:
-        raise LayoutError(
-            f"{where}: mapping.writer_index {writer} is outside [0, {n_writers}) "
-            "(num_writers)"
-        )
-    runs = []
-    for r, run in enumerate(as_list(raw[2], f"{where}: mapping.runs")):
-        raw_run = attributes(run, RUN_FIELDS, f"{where}, run {r}")
-        runs.append(
-            tuple(
-                as_int(value, "{}, run {}: {}", where, r, name)
-                for value, name in zip(raw_run, RUN_FIELDS)
-            )
-        )
-    return (canonical_page, local_page, n_writers, writer), runs
-
-
-def _check_run(
-    run: tuple[int, ...], local_page: int, canonical_page: int, where: str
-) -> None:
-    """A run's fields are not negative and its fragments lie inside both pages."""
-    for name, value in zip(RUN_FIELDS, run):
-        if value < 0:
-            raise LayoutError(f"{where}: {name} is negative ({value})")
-    offset, canonical, size, count, stride, canonical_stride = run
-    if count == 0:
-        return
-    for side, start, step, page in (
-        ("local", offset, stride, local_page),
-        ("canonical", canonical, canonical_stride, canonical_page),
-    ):
-        end = start + (count - 1) * step + size
-        if end > page:
-            raise LayoutError(
-                f"{where}: fragment {count - 1} ends at byte {end}, outside the "
-                f"{side} page ({page} B)"
-            )
-
-
-def _offloaded_row(
-    offloaded: OffloadedLayout, ref: RefRow, canonical_page: int, where: str
-) -> tuple[int, ...]:
-    """The offloaded tensor of a ref, whose sub-blocks must hold its canonical page."""
-    if ref.tensor_idx >= len(offloaded.geometries):
-        raise LayoutError(
-            f"{where} has no offloaded tensor (there are {len(offloaded.geometries)})"
-        )
-    geometry = offloaded.geometries[ref.tensor_idx]
-    if canonical_page > geometry.sub_bytes:
-        raise LayoutError(
-            f"{where}: its canonical page of {canonical_page} B is larger than a "
-            f"sub-block of offloaded tensors[{ref.tensor_idx}] ({geometry.sub_bytes} "
-            f"B: a row of {geometry.sub_bytes * offloaded.blocks_per_chunk} B "
-            f"holds {offloaded.blocks_per_chunk} canonical pages)"
-        )
-    return tuple(geometry)
-
-
 def plan(
-    table: PointerTable,
+    ref_table: IntTable,
+    group_ref_start: IntTable,
+    tables: PlanTables,
+    groups: IntTable,
     block_ids: npt.NDArray[Any],
     counts: GroupCounts,
-    offloaded: OffloadedLayout,
     offloaded_ids: Any,
     store: bool,
     out: Any,
     coalesce: bool,
     max_run: int,
+    ref_rows: Groups,
 ) -> TransferPlan:
-    """The flat plan of a canonical layout (_plan.run_plan dispatches here)."""
-    tables = plan_tables(table, offloaded)
+    """The flat plan of a canonical layout (PointerTable.plan_transfer).
+
+    Args:
+        ref_table, group_ref_start: the table's.
+        tables: the layout's kernel tables.
+        groups: the (2, n_groups) group sizes and block indices of counts.
+        max_run: max_run_bytes as the kernels take it (max_run_arg).
+        ref_rows: the table's refs, group by group, for error messages.
+        block_ids, offloaded_ids, store, out, coalesce: as plan_transfer().
+    """
     n_ops = 0
     for n, fragments in zip(counts.group_sizes, tables.group_fragments):
         n_ops += n * fragments
     src, dst, sizes = out_arrays(out, n_ops, SRC_DST_SIZES)
+    outputs = (src, dst, sizes, _NO_ROWS, _NO_ROWS, _NO_ROWS)
     written, num_bytes, block_ids, chunk_ids = _fill(
-        table, tables, (False, coalesce, max_run), block_ids, counts,
-        offloaded_ids, store, (src, dst, sizes, _NO_ROWS, _NO_ROWS, _NO_ROWS),
+        (ref_table, group_ref_start, groups), tables, (False, coalesce, max_run),
+        block_ids, offloaded_ids, store, outputs,
     )  # fmt: skip
     if written < 0:
         raise failed_plan_error(
             written, (src, dst, sizes), "out's src, dst and sizes, and the ids",
-            table._groups, block_ids, counts.group_sizes, counts.block_indices,
-            chunk_ids, offloaded,
+            ref_rows, block_ids, counts.group_sizes, counts.block_indices,
+            chunk_ids, tables.offloaded,
         )  # fmt: skip
     if written < n_ops:
         src, dst, sizes = src[:written], dst[:written], sizes[:written]
@@ -470,57 +79,53 @@ def plan(
 
 
 def plan_strided(
-    table: PointerTable,
-    device_spec: Any,
-    offloaded: OffloadedLayout,
+    ref_table: IntTable,
+    group_ref_start: IntTable,
+    tables: PlanTables,
+    groups: IntTable,
+    block_ids: npt.NDArray[Any],
+    counts: GroupCounts,
     offloaded_ids: Any,
     store: bool,
     out: Any,
+    ref_rows: Groups,
 ) -> StridedTransferPlan:
-    """PointerTable.plan_strided_transfer: one 2-D descriptor per (block, ref, run)."""
-    if type(store) is not bool:
-        raise InputTypeError(f"store must be True or False, got {store!r}")
-    try:
-        raw_ids = device_spec.block_ids
-        raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
-    except AttributeError:
-        raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
-    block_ids = block_ids_arg(raw_ids)
-    counts = table._check_groups(raw_sizes, raw_indices, len(block_ids))
-    tables = plan_tables(table, offloaded)
+    """One 2-D descriptor per (kept block, ref, run), for
+    PointerTable.plan_strided_transfer; the arguments are plan()'s."""
     n_ops = 0
     for n, runs in zip(counts.group_sizes, tables.group_runs):
         n_ops += n * runs
     outputs = tuple(out_arrays(out, n_ops, STRIDED_BUFFERS))
     written, num_bytes, block_ids, chunk_ids = _fill(
-        table, tables, (True, False, _kernels.NO_CAP), block_ids, counts,
-        offloaded_ids, store, outputs,
+        (ref_table, group_ref_start, groups), tables, (True, False, _kernels.NO_CAP),
+        block_ids, offloaded_ids, store, outputs,
     )  # fmt: skip
     if written < 0:
         raise failed_plan_error(
-            written, outputs, "out's six buffers, and the ids", table._groups,
+            written, outputs, "out's six buffers, and the ids", ref_rows,
             block_ids, counts.group_sizes, counts.block_indices, chunk_ids,
-            offloaded,
+            tables.offloaded,
         )  # fmt: skip
     src, dst, width, height, src_pitch, dst_pitch = (o[:written] for o in outputs)
     return StridedTransferPlan(src, dst, width, height, src_pitch, dst_pitch, num_bytes)
 
 
 def _fill(
-    table: PointerTable,
+    device: tuple[IntTable, IntTable, IntTable],
     tables: PlanTables,
     kind: tuple[bool, bool, int],
     block_ids: npt.NDArray[Any],
-    counts: GroupCounts,
     offloaded_ids: Any,
     store: bool,
     outputs: tuple[npt.NDArray[np.uint64], ...],
 ) -> tuple[int, int, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Run the kernel; return its status or count, the bytes, and the ids.
 
+    device: (ref_table, group_ref_start, groups), as plan() takes them.
     kind: (strided, coalesce, max_run_bytes or NO_CAP): a strided plan or a
     flat one, merged or not.
     """
+    ref_table, group_ref_start, groups = device
     strided, merge, max_run = kind
     if block_ids.dtype is not INT64:
         block_ids = block_ids.astype(np.int64)
@@ -537,13 +142,13 @@ def _fill(
         else (tables.fragment_refs, tables.fragments)
     )
     written = _kernels.canonical_plan_kernel(
-        table.ref_table,
-        table.group_ref_start,
+        ref_table,
+        group_ref_start,
         tables.offloaded_refs,
         ref_items,
         items,
         block_ids,
-        table._groups_array(counts.group_sizes, counts.block_indices),
+        groups,
         chunk_ids,
         tables.offloaded.blocks_per_chunk,
         store,

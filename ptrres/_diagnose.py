@@ -22,13 +22,11 @@ from ._errors import (
     OutBufferError,
     SpecError,
 )
-from ._geometry import RefRow, num_chunks
+from ._geometry import Groups, RefRow, num_chunks
 from ._kernels import OVERLAPPING_BUFFERS
 from ._offloaded import OffloadedLayout
 from ._results import DevicePointerGroupInfo
 
-# The refs of each group, resolved against their tensors (PointerTable's).
-Groups = Sequence[Sequence[RefRow]]
 # A bad id found: (group, ref, position in the group, value).
 BadId = tuple[int, int, int, int]
 

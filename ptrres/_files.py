@@ -3,12 +3,14 @@
 vLLM PR #56076's ``FSOffloadingWorker``s (GPUDirect Storage, POSIX, NIXL)
 store one chunk of one group per file. This module turns resolved device
 pointers, or a spec's block ids against a PointerTable, into every file's
-ops, in one compiled pass (SPEC section 11).
+ops, in one compiled pass (SPEC section 11). PointerTable.plan_file_ops
+checks its options and spec and comes here with its arrays
+(plan_spec_file_ops).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -16,9 +18,8 @@ import numpy.typing as npt
 from . import _kernels
 from ._args import (
     DEVICE_POINTERS_FIELDS,
-    SPEC_FIELDS,
+    Buffers,
     as_int,
-    block_ids_arg,
     descriptor_array,
     max_run_arg,
     missing_attributes,
@@ -26,12 +27,12 @@ from ._args import (
 )
 from ._diagnose import file_plan_error, overlap_error, resolve_error
 from ._errors import InputTypeError, SpecError
+from ._geometry import Groups
+from ._groups import GroupCounts, iter_pointer_groups
 from ._kernels.files import FILE_BYTES, FILE_GROUP, FILE_START
-from ._pointer_utils import iter_pointer_groups
 from ._results import DevicePointers, FilePlan
 
-if TYPE_CHECKING:
-    from ._table import Buffers, PointerTable
+IntTable = npt.NDArray[np.int64]
 
 # The layouts of a file (SPEC 11), and whether each is block-major.
 LAYOUTS = ("ref-major", "block-major")
@@ -86,7 +87,7 @@ def plan_file_ops(
             not its ref's page, a file larger than 2**63 - 1 bytes.
         InputTypeError, OutBufferError: malformed input.
     """
-    options = _options(blocks_per_chunk, layout, coalesce, max_run_bytes)
+    options = file_options(blocks_per_chunk, layout, coalesce, max_run_bytes)
     try:
         raw_ptrs, raw_sizes = device_ptrs.ptrs, device_ptrs.sizes
         counts = (
@@ -110,28 +111,29 @@ def plan_file_ops(
     return _run(ptrs, sizes, groups, n_files, options, outputs, device_ptrs)
 
 
-def plan_table_file_ops(
-    table: PointerTable,
-    device_spec: Any,
-    blocks_per_chunk: int,
-    *,
-    layout: str = "ref-major",
-    coalesce: bool = False,
-    max_run_bytes: int | None = None,
-    out: Buffers | None = None,
+def plan_spec_file_ops(
+    ref_table: IntTable,
+    group_ref_start: IntTable,
+    group_sizes: IntTable,
+    ref_rows: Groups,
+    ref_counts: tuple[int, ...],
+    block_ids: npt.NDArray[Any],
+    counts: GroupCounts,
+    options: FileOptions,
+    out: Buffers | None,
 ) -> FilePlan:
-    """PointerTable.plan_file_ops: resolve a spec into scratch, checking every
-    block id before anything is written, then plan its files."""
-    options = _options(blocks_per_chunk, layout, coalesce, max_run_bytes)
-    try:
-        raw_ids = device_spec.block_ids
-        raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
-    except AttributeError:
-        raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
-    block_ids = block_ids_arg(raw_ids)
-    n_ops, _, group_sizes, block_indices = table._check_groups(
-        raw_sizes, raw_indices, len(block_ids)
-    )
+    """PointerTable.plan_file_ops: resolve a checked spec into scratch,
+    checking every block id before anything is written, then plan its files.
+
+    Args:
+        ref_table, group_ref_start: the table's.
+        group_sizes: counts' group sizes as an int64 array.
+        ref_rows, ref_counts: the table's refs, group by group, and how
+            many each group has.
+        options: file_options()'s.
+        block_ids, out: as PointerTable.plan_file_ops().
+    """
+    n_ops, _, sizes_of_groups, block_indices = counts
     outputs = None
     if out is not None:
         outputs = out_arrays(out, n_ops, FILE_OPS)
@@ -145,24 +147,19 @@ def plan_table_file_ops(
     ptrs = np.empty(n_ops, np.uint64)
     sizes = np.empty(n_ops, np.uint64)
     status = _kernels.resolve_kernel(
-        table.ref_table,
-        table.group_ref_start,
-        block_ids,
-        table._group_sizes_array(group_sizes),
-        ptrs,
-        sizes,
+        ref_table, group_ref_start, block_ids, group_sizes, ptrs, sizes
     )
     if status < 0:  # the scratch is the wrapper's own: only an id can be bad
-        raise resolve_error(table._groups, block_ids, group_sizes)
-    resolved = DevicePointers(
-        ptrs, sizes, group_sizes, table.group_data_ref_counts, block_indices
+        raise resolve_error(ref_rows, block_ids, sizes_of_groups)
+    resolved = DevicePointers(ptrs, sizes, sizes_of_groups, ref_counts, block_indices)
+    groups, _, n_files = _groups(
+        resolved, (sizes_of_groups, ref_counts, block_indices), options[0]
     )
-    counts = (group_sizes, table.group_data_ref_counts, block_indices)
-    groups, _, n_files = _groups(resolved, counts, options[0])
     return _run(ptrs, sizes, groups, n_files, options, outputs, resolved)
 
 
-_Options = tuple[int, bool, bool, int]
+# Checked options (file_options): bpc, block-major or not, merge, the cap.
+FileOptions = tuple[int, bool, bool, int]
 
 
 def _run(
@@ -170,7 +167,7 @@ def _run(
     sizes: npt.NDArray[np.uint64],
     groups: npt.NDArray[np.int64],
     n_files: int,
-    options: _Options,
+    options: FileOptions,
     outputs: list[npt.NDArray[np.uint64]] | None,
     device_ptrs: Any,
 ) -> FilePlan:
@@ -268,9 +265,9 @@ def _all_ints(key: tuple[Any, ...]) -> bool:
     return _INT_ONLY.issuperset(map(type, counts_a + counts_b + counts_c))
 
 
-def _options(
+def file_options(
     blocks_per_chunk: Any, layout: Any, coalesce: Any, max_run_bytes: Any
-) -> _Options:
+) -> FileOptions:
     """The checked options: bpc, block-major or not, merge, the kernel's cap."""
     if type(blocks_per_chunk) is int:
         bpc = blocks_per_chunk

@@ -8,6 +8,7 @@ offloaded chunk and sub-block a block goes to (num_chunks).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,6 +36,9 @@ class RefRow(NamedTuple):
     num_blocks: int
     tensor_idx: int
 
+
+# A table's refs, group by group, as it read them (read_layout).
+Groups = Sequence[Sequence[RefRow]]
 
 # The kernels compute pointers in int64: every byte of a tensor must lie below.
 ADDRESS_LIMIT = 2**63 - 1

@@ -1,44 +1,40 @@
 """Transfer plans: every (src, dst, size) copy descriptor of a store or a load.
 
-PointerTable.plan_transfer() and plan_from_device_pointers() check the device
-side (the spec, or resolved pointers) and come here; run_plan() checks the
-offloaded side, runs the plan kernel and turns a failure into its error.
+PointerTable checks the device side (a spec's groups, or resolved pointers:
+read_device_pointers and block_ids_behind recover the ids behind them) and
+the offloaded side, and comes here with plain arrays; run_plan() runs the
+plan kernel and turns a failure into its error.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from . import _canonical, _kernels
+from . import _kernels
 from ._args import (
     DEVICE_POINTERS_FIELDS,
     INT64,
     SRC_DST_SIZES,
+    Buffers,
     as_int,
     as_list,
     attributes,
     block_ids_arg,
     descriptor_array,
-    max_run_arg,
     out_arrays,
 )
-from ._diagnose import (
-    chunk_count_error,
-    failed_plan_error,
-    pointer_error,
-)
-from ._errors import InputTypeError, SpecError
+from ._diagnose import chunk_count_error, failed_plan_error, pointer_error
+from ._errors import SpecError
+from ._geometry import Groups
+from ._groups import GroupCounts, check_groups
 from ._offloaded import OffloadedLayout
 from ._results import TransferPlan
 
-if TYPE_CHECKING:
-    from ._table import GroupCounts, PointerTable
-
-Buffers = tuple[npt.NDArray[Any], ...]
+IntTable = npt.NDArray[np.int64]
 
 # Rows of the plan kernel's scratch: chunk and sub-block of each block of a
 # group, then the group's runs (kernels.coalesce.find_runs).
@@ -66,41 +62,33 @@ def plan_scratch(n_ids: int) -> npt.NDArray[np.int64]:
 
 
 def run_plan(
-    table: PointerTable,
+    ref_table: IntTable,
+    group_ref_start: IntTable,
+    offloaded_refs: IntTable,
+    groups: IntTable,
     block_ids: npt.NDArray[Any],
     counts: GroupCounts,
-    offloaded: OffloadedLayout,
     offloaded_ids: Any,
-    *,
+    offloaded: OffloadedLayout,
     store: bool,
     out: Buffers | None,
     coalesce: bool,
-    max_run_bytes: int | None,
+    max_run: int,
+    ref_rows: Groups,
 ) -> TransferPlan:
-    """Check the offloaded side and run the plan kernel (PointerTable's
-    plan_transfer() documents the arguments)."""
-    if type(store) is not bool:
-        raise InputTypeError(f"store must be True or False, got {store!r}")
-    if type(coalesce) is not bool:
-        raise InputTypeError(f"coalesce must be True or False, got {coalesce!r}")
-    max_run = max_run_arg(max_run_bytes)
+    """Run the plan kernel on a checked layout and spec.
+
+    Args:
+        ref_table, group_ref_start: the table's (or a canonical layout's
+            direct form, _mappings.DirectTables).
+        offloaded_refs: the offloaded tensor of each ref (OFF_* columns).
+        groups: the (2, n_groups) group sizes and block indices of counts.
+        max_run: max_run_bytes as the kernels take it (max_run_arg).
+        ref_rows: the table's refs, group by group, for error messages.
+        block_ids, offloaded_ids, offloaded, store, out, coalesce: as
+            PointerTable.plan_transfer().
+    """
     n_ops, num_bytes, group_sizes, block_indices = counts
-    ref_table = table.ref_table
-    cached = table._offloaded  # inline: a method call costs on every plan
-    if cached is not None and cached[0] is offloaded:
-        offloaded_refs = cached[1]
-    elif isinstance(offloaded, OffloadedLayout) and offloaded.canonical:
-        # Never cached there: canonical layouts always come here.
-        direct = _canonical.as_direct(table, offloaded, store) if coalesce else None
-        if direct is None:
-            return _canonical.plan(
-                table, block_ids, counts, offloaded, offloaded_ids, store, out,
-                coalesce, max_run,
-            )  # fmt: skip
-        ref_table, offloaded_refs = direct.ref_table, direct.offloaded_refs
-        num_bytes = sum(n * b for n, b in zip(group_sizes, direct.group_bytes))
-    else:
-        offloaded_refs = table._offloaded_refs(offloaded)
     if block_ids.dtype is not INT64:
         block_ids = block_ids.astype(np.int64)
     chunk_ids = block_ids_arg(offloaded_ids, "offloaded_ids")
@@ -112,10 +100,10 @@ def run_plan(
     scratch = plan_scratch(len(block_ids))
     written = _kernels.plan_kernel(
         ref_table,
-        table.group_ref_start,
+        group_ref_start,
         offloaded_refs,
         block_ids,
-        table._groups_array(group_sizes, block_indices),
+        groups,
         chunk_ids,
         offloaded.blocks_per_chunk,
         store,
@@ -129,47 +117,45 @@ def run_plan(
     if written < 0:
         raise failed_plan_error(
             written, (src, dst, sizes), "out's src, dst and sizes, and the ids",
-            table._groups, block_ids, group_sizes, block_indices, chunk_ids,
-            offloaded,
+            ref_rows, block_ids, group_sizes, block_indices, chunk_ids, offloaded,
         )  # fmt: skip
     if written < n_ops:
         src, dst, sizes = src[:written], dst[:written], sizes[:written]
     return TransferPlan(src, dst, sizes, num_bytes)
 
 
-def plan_from_device_pointers(
-    table: PointerTable,
-    device_ptrs: Any,
-    offloaded: OffloadedLayout,
-    offloaded_ids: Any,
-    *,
-    store: bool,
-    out: Buffers | None,
-    coalesce: bool,
-    max_run_bytes: int | None,
-) -> TransferPlan:
-    """PointerTable.plan_from_device_pointers(): recover the block ids behind
-    resolved pointers, checking every pointer, then plan as plan_transfer()."""
+# Resolved pointers as read: ptrs, sizes, and the number of blocks behind them.
+DevicePointerArrays = tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], int]
+
+
+def read_device_pointers(
+    device_ptrs: Any, ref_counts: tuple[int, ...], page_bytes: tuple[int, ...]
+) -> tuple[DevicePointerArrays, GroupCounts]:
+    """Resolved pointers' arrays, and their groups checked against a layout
+    of these refs per group and bytes per block (check_groups)."""
     raw_ptrs, raw_sizes, raw_counts, raw_ref_counts, raw_indices = attributes(
         device_ptrs, DEVICE_POINTERS_FIELDS, "device_ptrs"
     )
-    ref_counts = tuple(
+    their_ref_counts = tuple(
         as_int(n, "group_data_ref_counts[{}]", g)
         for g, n in enumerate(as_list(raw_ref_counts, "group_data_ref_counts"))
     )
-    if ref_counts != table.group_data_ref_counts:
+    if their_ref_counts != ref_counts:
         raise SpecError(
-            f"device_ptrs has refs per group {ref_counts}, but this table has "
-            f"{table.group_data_ref_counts}"
+            f"device_ptrs has refs per group {their_ref_counts}, but this table "
+            f"has {ref_counts}"
         )
-    group_sizes_in = tuple(as_list(raw_counts, "group_block_counts"))
+    group_sizes = tuple(as_list(raw_counts, "group_block_counts"))
     n_block_ids = sum(
-        as_int(n, "group_block_counts[{}]", g) for g, n in enumerate(group_sizes_in)
+        as_int(n, "group_block_counts[{}]", g) for g, n in enumerate(group_sizes)
     )
-    counts = table._check_groups(
-        group_sizes_in, tuple(as_list(raw_indices, "block_indices")), n_block_ids
+    counts = check_groups(
+        group_sizes,
+        tuple(as_list(raw_indices, "block_indices")),
+        n_block_ids,
+        ref_counts,
+        page_bytes,
     )
-    group_sizes, block_indices = counts.group_sizes, counts.block_indices
     ptrs = descriptor_array(raw_ptrs, "device_ptrs.ptrs")
     sizes = descriptor_array(raw_sizes, "device_ptrs.sizes")
     if not len(ptrs) == len(sizes) == counts.n_ops:
@@ -177,37 +163,49 @@ def plan_from_device_pointers(
             f"device_ptrs has {len(ptrs)} ptrs and {len(sizes)} sizes, but its "
             f"groups make {counts.n_ops} ops"
         )
+    return (ptrs, sizes, n_block_ids), counts
+
+
+def block_ids_behind(
+    ref_table: IntTable,
+    group_ref_start: IntTable,
+    group_sizes: IntTable,
+    pointers: DevicePointerArrays,
+    counts: GroupCounts,
+    offloaded_ids: Any,
+    blocks_per_chunk: int,
+    ref_rows: Groups,
+    ref_counts: tuple[int, ...],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any]]:
+    """The block ids behind resolved pointers, every pointer checked, and the
+    offloaded ids checked against the groups' chunks.
+
+    Args:
+        ref_table, group_ref_start: the table's.
+        group_sizes: counts' group sizes as an int64 array.
+        pointers: read_device_pointers()'s ptrs, sizes and block count.
+        ref_rows, ref_counts: the table's refs, group by group (for error
+            messages), and how many each group has.
+
+    Returns:
+        The block ids, and the offloaded ids as block_ids_arg() makes them.
+    """
+    ptrs, sizes, n_block_ids = pointers
     # A group without refs has no pointers to bound its size, only its
     # share of the offloaded ids: a size they cannot cover fails here,
     # before an id is allocated for each of its blocks.
-    table._offloaded_refs(offloaded)  # an OffloadedLayout that fits
     chunk_ids = block_ids_arg(offloaded_ids, "offloaded_ids")
-    unbounded = sum(n for n, r in zip(group_sizes, ref_counts) if not r)
-    if unbounded > len(chunk_ids) * offloaded.blocks_per_chunk:
+    unbounded = sum(n for n, r in zip(counts.group_sizes, ref_counts) if not r)
+    if unbounded > len(chunk_ids) * blocks_per_chunk:
         count_error = chunk_count_error(
-            chunk_ids, group_sizes, block_indices, offloaded.blocks_per_chunk
+            chunk_ids, counts.group_sizes, counts.block_indices, blocks_per_chunk
         )
         if count_error is not None:  # always: they span more chunks
             raise count_error
     block_ids = np.empty(n_block_ids, np.int64)
     bad_op = _kernels.block_ids_from_pointers(
-        table.ref_table,
-        table.group_ref_start,
-        table._group_sizes_array(group_sizes),
-        ptrs,
-        sizes,
-        block_ids,
+        ref_table, group_ref_start, group_sizes, ptrs, sizes, block_ids
     )
     if bad_op >= 0:
-        raise pointer_error(table._groups, int(bad_op), ptrs, group_sizes)
-    return run_plan(
-        table,
-        block_ids,
-        counts,
-        offloaded,
-        chunk_ids,
-        store=store,
-        out=out,
-        coalesce=coalesce,
-        max_run_bytes=max_run_bytes,
-    )
+        raise pointer_error(ref_rows, int(bad_op), ptrs, counts.group_sizes)
+    return block_ids, chunk_ids

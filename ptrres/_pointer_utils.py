@@ -1,17 +1,27 @@
-"""Drop-ins for vllm.v1.kv_offload.pointer_utils, with the same signatures."""
+"""Drop-ins for vllm.v1.kv_offload.pointer_utils, with the same signatures.
+
+resolve_device_pointers builds on PointerTable, keeping the tables of the last
+few layouts; iter_pointer_groups (from _groups, where the file tier uses it
+too) needs no table.
+"""
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from ._args import GROUP_FIELDS, as_int, as_list, attributes
-from ._errors import SpecError
-from ._geometry import num_chunks
-from ._results import DevicePointerGroupInfo, DevicePointers
+from ._groups import iter_pointer_groups
+from ._results import DevicePointers
 from ._table import PointerTable
+
+__all__ = [
+    "clear_table_cache",
+    "iter_pointer_groups",
+    "resolve_device_pointers",
+    "table_for",
+]
 
 # Tables built by resolve_device_pointers, keyed by id(kv_caches). An entry is
 # (reference to kv_caches, its tensors list, its group_data_refs list, table).
@@ -96,62 +106,3 @@ def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> DevicePointers:
         DevicePointers with uint64 ptrs and sizes, ordered group -> ref -> block.
     """
     return table_for(kv_caches).resolve(device_spec)
-
-
-def iter_pointer_groups(
-    device_ptrs: Any, blocks_per_chunk: int
-) -> Iterator[DevicePointerGroupInfo]:
-    """Iterate non-empty groups with pre-computed chunk/skip metadata.
-
-    A drop-in for vLLM's function of the same name. ``blocks_per_chunk`` is the
-    number of device blocks in one offloaded chunk (>= 1).
-    """
-    blocks_per_chunk = as_int(blocks_per_chunk, "blocks_per_chunk")
-    if blocks_per_chunk < 1:
-        raise SpecError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-    group_block_counts, group_data_ref_counts, block_indices = (
-        tuple(as_list(values, name))
-        for values, name in zip(
-            attributes(device_ptrs, GROUP_FIELDS, "device_ptrs"), GROUP_FIELDS
-        )
-    )
-    if not len(group_block_counts) == len(group_data_ref_counts) == len(block_indices):
-        raise SpecError(
-            "group_block_counts, group_data_ref_counts and block_indices have "
-            f"{len(group_block_counts)}, {len(group_data_ref_counts)} and "
-            f"{len(block_indices)} entries; they need one per group"
-        )
-    return _pointer_groups(
-        group_block_counts, group_data_ref_counts, block_indices, blocks_per_chunk
-    )
-
-
-def _pointer_groups(
-    group_block_counts: tuple[Any, ...],
-    group_data_ref_counts: tuple[Any, ...],
-    block_indices: tuple[Any, ...],
-    blocks_per_chunk: int,
-) -> Iterator[DevicePointerGroupInfo]:
-    dev_ptr_offset = 0
-    for group_idx, (group_size, n_data_refs, block_index) in enumerate(
-        zip(group_block_counts, group_data_ref_counts, block_indices)
-    ):
-        group_size = as_int(group_size, f"group {group_idx}: group size")
-        n_data_refs = as_int(n_data_refs, f"group {group_idx}: n_data_refs")
-        block_index = as_int(block_index, f"group {group_idx}: block index")
-        if group_size < 0 or n_data_refs < 0 or block_index < 0:
-            raise SpecError(
-                f"group {group_idx}: group size {group_size}, n_data_refs "
-                f"{n_data_refs} and block index {block_index} must be >= 0"
-            )
-        if group_size == 0:
-            continue
-        yield DevicePointerGroupInfo(
-            group_idx=group_idx,
-            group_size=group_size,
-            n_data_refs=n_data_refs,
-            skip=block_index % blocks_per_chunk,
-            n_chunks=num_chunks(group_size, block_index, blocks_per_chunk),
-            dev_ptr_offset=dev_ptr_offset,
-        )
-        dev_ptr_offset += group_size * n_data_refs

@@ -1,47 +1,42 @@
-"""PointerTable: a KV-cache layout flattened once, resolved many times."""
+"""PointerTable: a KV-cache layout flattened once, resolved many times.
+
+The table is the facade: it holds the layout as columns (ref_table,
+group_ref_start, refs and pages per group) and the caches of the offloaded
+layout last planned with, checks each call's spec (_groups.check_groups), and
+calls the planners (_plan, _canonical, _mappings, _files) with plain arrays.
+None of them knows the table.
+"""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from . import _canonical, _kernels, _plan
+from . import _canonical, _files, _kernels, _mappings, _plan
 from ._args import (
     PTRS_SIZES,
     SPEC_FIELDS,
-    as_block_indices,
-    as_group_sizes,
+    Buffers,
     block_ids_arg,
+    max_run_arg,
     missing_attributes,
     out_arrays,
 )
 from ._diagnose import overlap_error, resolve_error
 from ._errors import InputTypeError
 from ._geometry import RefRow, offloaded_rows, read_layout
+from ._groups import (
+    GroupArrays,
+    GroupCounts,
+    check_groups,
+    groups_array,
+    sizes_array,
+)
+from ._kernels.common import NO_CAP
 from ._offloaded import OffloadedLayout
 from ._results import DevicePointers, FilePlan, StridedTransferPlan, TransferPlan
-
-Buffers = tuple[npt.NDArray[Any], ...]
-_LIST_OR_TUPLE = (list, tuple)
-
-
-class GroupCounts(NamedTuple):
-    """A spec's groups, checked against a table (PointerTable._check_groups)."""
-
-    # Copy ops: each group's size times its refs, summed.
-    n_ops: int
-    # Bytes they copy.
-    num_bytes: int
-    # The spec's group sizes and block indices, as tuples of Python ints.
-    group_sizes: tuple[int, ...]
-    block_indices: tuple[int, ...]
-
-
-# GroupCounts(...) without the Python frame of its __new__: a fifth of a
-# microsecond less on every resolve and plan.
-_new_tuple = tuple.__new__
 
 
 class PointerTable:
@@ -77,18 +72,16 @@ class PointerTable:
             sum(ref.page_size_bytes for ref in group) for group in groups
         )
         self.num_groups = len(groups)
-        # The int64 arrays kernels take, by the tuples they hold: (group
-        # sizes,) or (group sizes, block indices). See _group_sizes_array.
-        self._group_arrays: dict[
-            tuple[tuple[int, ...], ...], npt.NDArray[np.int64]
-        ] = {}
+        # The int64 arrays kernels take of the group sizes (and block
+        # indices) of specs, by the tuples they hold (_groups.sizes_array).
+        self._group_arrays: GroupArrays = {}
         # The offloaded layout last planned with, and its per-ref table: one
         # tuple, read and assigned whole (atomic under the GIL), never in parts.
         self._offloaded: tuple[OffloadedLayout, npt.NDArray[np.int64]] | None = None
         # The refs' mappings (SPEC 10), and the kernel tables of the layout
         # last planned with canonically or strided (read and assigned whole).
-        self._ref_mappings = _canonical.read_ref_mappings(kv_caches)
-        self._canonical: _canonical.PlanTables | None = None
+        self._ref_mappings = _mappings.read_ref_mappings(kv_caches)
+        self._canonical: _mappings.PlanTables | None = None
 
     def __repr__(self) -> str:
         return (
@@ -125,15 +118,19 @@ class PointerTable:
         except AttributeError:
             raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
         block_ids = block_ids_arg(raw_ids)
-        n_ops, _, group_sizes, block_indices = self._check_groups(
-            raw_sizes, raw_indices, len(block_ids)
+        n_ops, _, group_sizes, block_indices = check_groups(
+            raw_sizes,
+            raw_indices,
+            len(block_ids),
+            self.group_data_ref_counts,
+            self.group_page_bytes,
         )
         ptrs, sizes = out_arrays(out, n_ops, PTRS_SIZES)
         status = _kernels.resolve_kernel(
             self.ref_table,
             self.group_ref_start,
             block_ids,
-            self._group_sizes_array(group_sizes),
+            sizes_array(self._group_arrays, group_sizes),
             ptrs,
             sizes,
         )
@@ -205,17 +202,17 @@ class PointerTable:
         except AttributeError:
             raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
         block_ids = block_ids_arg(raw_ids)
-        return _plan.run_plan(
-            self,
-            block_ids,
-            self._check_groups(raw_sizes, raw_indices, len(block_ids)),
-            offloaded,
-            offloaded_ids,
-            store=store,
-            out=out,
-            coalesce=coalesce,
-            max_run_bytes=max_run_bytes,
+        counts = check_groups(
+            raw_sizes,
+            raw_indices,
+            len(block_ids),
+            self.group_data_ref_counts,
+            self.group_page_bytes,
         )
+        return self._transfer(
+            block_ids, counts, offloaded, offloaded_ids, store, out, coalesce,
+            max_run_bytes,
+        )  # fmt: skip
 
     def plan_from_device_pointers(
         self,
@@ -245,16 +242,25 @@ class PointerTable:
             DevicePointerError: a pointer that is not a block of its tensor.
             the errors of plan_transfer().
         """
-        return _plan.plan_from_device_pointers(
-            self,
-            device_ptrs,
-            offloaded,
-            offloaded_ids,
-            store=store,
-            out=out,
-            coalesce=coalesce,
-            max_run_bytes=max_run_bytes,
+        pointers, counts = _plan.read_device_pointers(
+            device_ptrs, self.group_data_ref_counts, self.group_page_bytes
         )
+        self._offloaded_refs(offloaded)  # an OffloadedLayout that fits
+        block_ids, chunk_ids = _plan.block_ids_behind(
+            self.ref_table,
+            self.group_ref_start,
+            sizes_array(self._group_arrays, counts.group_sizes),
+            pointers,
+            counts,
+            offloaded_ids,
+            offloaded.blocks_per_chunk,
+            self._groups,
+            self.group_data_ref_counts,
+        )
+        return self._transfer(
+            block_ids, counts, offloaded, chunk_ids, store, out, coalesce,
+            max_run_bytes,
+        )  # fmt: skip
 
     def plan_file_ops(
         self,
@@ -280,17 +286,18 @@ class PointerTable:
             BlockIdError: a block id is outside its tensor (nothing is written).
             SpecError, InputTypeError, OutBufferError: malformed input.
         """
-        # Imported here: _files imports _pointer_utils, which imports this module.
-        from ._files import plan_table_file_ops
-
-        return plan_table_file_ops(
-            self,
-            device_spec,
-            blocks_per_chunk,
-            layout=layout,
-            coalesce=coalesce,
-            max_run_bytes=max_run_bytes,
-            out=out,
+        options = _files.file_options(blocks_per_chunk, layout, coalesce, max_run_bytes)
+        block_ids, counts = self._read_spec(device_spec)
+        return _files.plan_spec_file_ops(
+            self.ref_table,
+            self.group_ref_start,
+            sizes_array(self._group_arrays, counts.group_sizes),
+            self._groups,
+            self.group_data_ref_counts,
+            block_ids,
+            counts,
+            options,
+            out,
         )
 
     def plan_strided_transfer(
@@ -323,9 +330,135 @@ class PointerTable:
         Raises:
             the errors of plan_transfer().
         """
+        if type(store) is not bool:
+            raise InputTypeError(f"store must be True or False, got {store!r}")
+        block_ids, counts = self._read_spec(device_spec)
+        tables = self._plan_tables(offloaded)
         return _canonical.plan_strided(
-            self, device_spec, offloaded, offloaded_ids, store, out
+            self.ref_table,
+            self.group_ref_start,
+            tables,
+            groups_array(self._group_arrays, counts.group_sizes, counts.block_indices),
+            block_ids,
+            counts,
+            offloaded_ids,
+            store,
+            out,
+            self._groups,
         )
+
+    def _read_spec(self, device_spec: Any) -> tuple[npt.NDArray[Any], GroupCounts]:
+        """A spec's block ids, and its groups checked against this table."""
+        try:
+            raw_ids = device_spec.block_ids
+            raw_sizes, raw_indices = device_spec.group_sizes, device_spec.block_indices
+        except AttributeError:
+            raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
+        block_ids = block_ids_arg(raw_ids)
+        counts = check_groups(
+            raw_sizes,
+            raw_indices,
+            len(block_ids),
+            self.group_data_ref_counts,
+            self.group_page_bytes,
+        )
+        return block_ids, counts
+
+    def _transfer(
+        self,
+        block_ids: npt.NDArray[Any],
+        counts: GroupCounts,
+        offloaded: OffloadedLayout,
+        offloaded_ids: Any,
+        store: bool,
+        out: Buffers | None,
+        coalesce: bool,
+        max_run_bytes: int | None,
+    ) -> TransferPlan:
+        """Check the offloaded side and run the plan of its layout, for a
+        checked spec (plan_transfer() documents the arguments)."""
+        if type(store) is not bool:
+            raise InputTypeError(f"store must be True or False, got {store!r}")
+        if type(coalesce) is not bool:
+            raise InputTypeError(f"coalesce must be True or False, got {coalesce!r}")
+        # The usual None without a call: that pays for this method's frame.
+        max_run = NO_CAP if max_run_bytes is None else max_run_arg(max_run_bytes)
+        ref_table = self.ref_table
+        cached = self._offloaded  # inline: a method call costs on every plan
+        if cached is not None and cached[0] is offloaded:
+            offloaded_refs = cached[1]
+        elif isinstance(offloaded, OffloadedLayout) and offloaded.canonical:
+            # Never cached in _offloaded: canonical layouts always come here.
+            tables = self._plan_tables(offloaded)
+            # A merged plan of one fragment per ref runs on the layout's
+            # direct form: plan_kernel merges while it fills, where the
+            # canonical kernel merges what it wrote (a copy's worth once one
+            # pair merges). Not for stores that keep a writer's blocks.
+            direct = tables.direct if coalesce else None
+            if direct is None or (store and not direct.one_writer):
+                return _canonical.plan(
+                    ref_table,
+                    self.group_ref_start,
+                    tables,
+                    groups_array(
+                        self._group_arrays, counts.group_sizes, counts.block_indices
+                    ),
+                    block_ids,
+                    counts,
+                    offloaded_ids,
+                    store,
+                    out,
+                    coalesce,
+                    max_run,
+                    self._groups,
+                )
+            ref_table, offloaded_refs = direct.ref_table, direct.offloaded_refs
+            num_bytes = sum(
+                n * b for n, b in zip(counts.group_sizes, direct.group_bytes)
+            )
+            counts = counts._replace(num_bytes=num_bytes)
+        else:
+            offloaded_refs = self._offloaded_refs(offloaded)
+        # Positional, here and above: keywords cost a tenth of a microsecond.
+        return _plan.run_plan(
+            ref_table,
+            self.group_ref_start,
+            offloaded_refs,
+            groups_array(self._group_arrays, counts.group_sizes, counts.block_indices),
+            block_ids,
+            counts,
+            offloaded_ids,
+            offloaded,
+            store,
+            out,
+            coalesce,
+            max_run,
+            self._groups,
+        )
+
+    def _plan_tables(self, offloaded: OffloadedLayout) -> _mappings.PlanTables:
+        """The canonical kernel's tables of an offloaded layout, checked and
+        cached (the one last planned with)."""
+        cached = self._canonical
+        if cached is not None and cached.offloaded is offloaded:
+            return cached
+        if not isinstance(offloaded, OffloadedLayout):
+            raise InputTypeError(
+                f"offloaded must be an OffloadedLayout, got {type(offloaded).__name__}"
+            )
+        if offloaded.canonical:
+            tables = _mappings.canonical_tables(
+                self.ref_table,
+                self.group_ref_start,
+                self._groups,
+                self._ref_mappings,
+                offloaded,
+            )
+        else:
+            offloaded_refs = self._offloaded_refs(offloaded)
+            tables = _mappings.direct_tables(self._groups, offloaded, offloaded_refs)
+        self._canonical = tables
+        return tables
 
     def _offloaded_refs(self, offloaded: OffloadedLayout) -> npt.NDArray[np.int64]:
         """The offloaded tensor of each ref (OFF_* columns), checked and cached."""
@@ -337,91 +470,10 @@ class PointerTable:
                 f"offloaded must be an OffloadedLayout, got {type(offloaded).__name__}"
             )
         if offloaded.canonical:  # its pages are checked against the mappings
-            return _canonical.plan_tables(self, offloaded).offloaded_refs
+            return self._plan_tables(offloaded).offloaded_refs
         rows = offloaded_rows(
             [list(g) for g in self._groups], list(offloaded.geometries)
         )
         table = np.array(rows, dtype=np.int64).reshape(len(rows), _kernels.OFF_COLUMNS)
         self._offloaded = (offloaded, table)
         return table
-
-    def _group_sizes_array(self, group_sizes: tuple[int, ...]) -> npt.NDArray[np.int64]:
-        """Checked group sizes as the 1-D int64 array a kernel takes, memoised.
-
-        Transfers repeat their group sizes (one block per step, say), and
-        building a small array costs a third of a microsecond. Kernels never
-        write these arrays, so threads may share them.
-        """
-        key = (group_sizes,)
-        array = self._group_arrays.get(key)
-        if array is None:
-            array = np.array(group_sizes, dtype=np.int64)
-            self._memoise(key, array)
-        return array
-
-    def _groups_array(
-        self, group_sizes: tuple[int, ...], block_indices: tuple[int, ...]
-    ) -> npt.NDArray[np.int64]:
-        """The (2, n_groups) int64 array of group sizes, then block indices,
-        that plan_kernel takes; memoised as _group_sizes_array."""
-        key = (group_sizes, block_indices)
-        array = self._group_arrays.get(key)
-        if array is None:
-            array = np.array(key, dtype=np.int64)
-            self._memoise(key, array)
-        return array
-
-    def _memoise(
-        self, key: tuple[tuple[int, ...], ...], array: npt.NDArray[np.int64]
-    ) -> None:
-        """Keep a group array, and at most 256 of them."""
-        if len(self._group_arrays) >= 256:
-            self._group_arrays.clear()
-        self._group_arrays[key] = array
-
-    def _check_groups(
-        self, group_sizes: Any, block_indices: Any, n_block_ids: int
-    ) -> GroupCounts:
-        """Check a spec's group sizes and block indices against the layout.
-
-        The common case (lists or tuples of Python ints, as vLLM passes) is
-        checked in a plain loop; anything else goes through the thorough
-        checks, which also produce the error messages. (A set or a dict would
-        pass the loop, in no meaningful order: the thorough checks refuse it.)
-        """
-        if (
-            type(group_sizes) in _LIST_OR_TUPLE
-            and type(block_indices) in _LIST_OR_TUPLE
-            and len(group_sizes) == len(block_indices) == self.num_groups
-        ):
-            n_ops = n_ids = num_bytes = 0
-            for size, refs, page_bytes, index in zip(
-                group_sizes,
-                self.group_data_ref_counts,
-                self.group_page_bytes,
-                block_indices,
-            ):
-                if type(size) is not int or type(index) is not int:
-                    break
-                if size < 0 or index >> 63:  # index < 0 or >= 2**63
-                    break
-                n_ids += size
-                n_ops += size * refs
-                num_bytes += size * page_bytes
-            else:
-                if n_ids == n_block_ids:
-                    counts = (
-                        n_ops,
-                        num_bytes,
-                        tuple(group_sizes),
-                        tuple(block_indices),
-                    )
-                    result: GroupCounts = _new_tuple(GroupCounts, counts)
-                    return result
-        sizes = tuple(
-            as_group_sizes(group_sizes, self.num_groups, n_block_ids).tolist()
-        )
-        indices = as_block_indices(block_indices, self.num_groups)
-        n_ops = sum(n * r for n, r in zip(sizes, self.group_data_ref_counts))
-        num_bytes = sum(n * b for n, b in zip(sizes, self.group_page_bytes))
-        return GroupCounts(n_ops, num_bytes, sizes, indices)

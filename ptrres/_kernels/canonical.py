@@ -54,7 +54,7 @@ NUM_WRITERS = 2  # the mapping's num_writers (1 for direct layouts)
 WRITER_INDEX = 3  # the mapping's writer_index
 BLOCK_BYTES = 4  # bytes the ref copies per kept block: sum of width * height
 # 0 when no two of the ref's descriptors can ever continue each other, for
-# any block ids (_canonical.may_merge): in a load, and in a store (which keeps
+# any block ids (_mappings.may_merge): in a load, and in a store (which keeps
 # only a writer's blocks). Merging then only looks at the ref's first.
 LOAD_MAY_MERGE = 5
 STORE_MAY_MERGE = 6

@@ -183,18 +183,7 @@ def append_merged(inputs: Any, span: Any, out: Any, written: Any, cap: Any) -> A
             out_sizes[written] = sizes[i]
         copied, copy_ahead = copy_ahead, (n_marks == n) & separate
         if wraps | (cap != TOP):
-            for p in range(i, i + n):
-                # Read before writing: the outputs may be the inputs.
-                descriptor = (src[p], dst[p], sizes[p])
-                if continues(run, descriptor, cap):
-                    run = (run[0], run[1], run[2] + descriptor[2])
-                    out_sizes[written - ONE] = run[2]
-                else:
-                    run = descriptor
-                    out_src[written] = descriptor[0]
-                    out_dst[written] = descriptor[1]
-                    out_sizes[written] = descriptor[2]
-                    written += ONE
+            written = append_checked(inputs, (i, i + n), out, written, run, cap)
         elif n_marks == n:  # nothing merges: the span as it is
             if not copied and (separate or written != i):
                 for k in range(n):
@@ -216,6 +205,38 @@ def append_merged(inputs: Any, span: Any, out: Any, written: Any, cap: Any) -> A
             p = i + n - ONE
             out_sizes[written - ONE] = src[p] - run_src + sizes[p]
         i += n
+    return written
+
+
+@inline_helper
+def append_checked(
+    inputs: Any, span: Any, out: Any, written: Any, run: Descriptor, cap: Any
+) -> Any:
+    """Append descriptors ``span`` of ``inputs`` as append_merged does, each
+    tested with continues(): for spans where an end passes the last address,
+    or where runs are capped.
+
+    Args:
+        inputs, span, out, written, cap: as append_merged.
+        run: the last descriptor written.
+
+    Returns:
+        The new number of descriptors.
+    """
+    src, dst, sizes = inputs
+    out_src, out_dst, out_sizes = out
+    for p in range(span[0], span[1]):
+        # Read before writing: the outputs may be the inputs.
+        descriptor = (src[p], dst[p], sizes[p])
+        if continues(run, descriptor, cap):
+            run = (run[0], run[1], run[2] + descriptor[2])
+            out_sizes[written - ONE] = run[2]
+        else:
+            run = descriptor
+            out_src[written] = descriptor[0]
+            out_dst[written] = descriptor[1]
+            out_sizes[written] = descriptor[2]
+            written += ONE
     return written
 
 

@@ -1,0 +1,275 @@
+"""The shape of the house: data flows one way between ptrres' modules.
+
+Every import in ptrres is read with ``ast`` (at the top, under
+``TYPE_CHECKING``, inside functions), and no module may import one that
+imports it back, however far round. The facade (PointerTable) calls the
+planners with plain arrays; the planners never import the facade.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ptrres"
+ROOT = PACKAGE.name
+
+Graph = dict[str, set[str]]
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    """``ptrres/_kernels/plan.py`` -> ``ptrres._kernels.plan``."""
+    parts = [package.name, *path.relative_to(package).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def imported_names(
+    source: str, module: str, package: bool
+) -> Iterator[tuple[str, str | None]]:
+    """Every import of the source as (module, name), relative ones made
+    absolute: ``import x.y`` is ("x.y", None), ``from x import y`` ("x", "y"),
+    where y may be a module or a name x defines."""
+    here = module if package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            yield from ((base, alias.name) for alias in node.names)
+
+
+def import_graph(paths: Iterable[Path], package: Path = PACKAGE) -> Graph:
+    """Module -> the modules of the package that importing it runs.
+
+    Importing ``a.b.c`` runs ``a``, ``a.b`` and ``a.b.c``: each is an edge,
+    but for the packages the importer sits in (they are already running).
+    A name that is not a module (``from . import __version__``) is an edge
+    to the module it comes from, the importer's own package included.
+    """
+    sources = {
+        module_name(path, package): (path.read_text(), is_package(path))
+        for path in paths
+    }
+    graph: Graph = {}
+    for module, (source, package_init) in sources.items():
+        inside = set(_parents(module)) | {module}
+        targets = set()
+        for base, name in imported_names(source, module, package_init):
+            submodule = f"{base}.{name}"
+            if name is not None and submodule in sources:
+                target = submodule
+            elif base in sources:
+                target = base
+            else:
+                continue  # outside the package
+            targets.add(target)
+            targets.update(p for p in _parents(target) if p not in inside)
+        targets.discard(module)
+        graph[module] = targets
+    return graph
+
+
+def _parents(name: str) -> Iterator[str]:
+    parts = name.split(".")
+    for end in range(1, len(parts)):
+        yield ".".join(parts[:end])
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """One cycle (as a path back to its start) per set of modules that import
+    each other (a strongly connected component)."""
+    return [_path_through(graph, c) for c in strongly_connected(graph)]
+
+
+def strongly_connected(graph: Graph) -> list[set[str]]:
+    """The sets of two or more modules that import each other, however far
+    round (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def _path_through(graph: Graph, component: set[str]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first)."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for target in sorted(graph[node] & component):
+                if target == start:
+                    return [*paths[node], start]
+                if target not in paths:
+                    paths[target] = [*paths[node], target]
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"no cycle through {start}")  # pragma: no cover
+
+
+def ptrres_sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    graph = import_graph(ptrres_sources())
+    found = strongly_connected(graph)
+    assert not found, "import cycles among ptrres modules:\n" + "\n".join(
+        f"{' -> '.join(_path_through(graph, c))} (in all: {', '.join(sorted(c))})"
+        for c in found
+    )
+
+
+def test_the_graph_covers_the_package_and_its_kernels() -> None:
+    graph = import_graph(ptrres_sources())
+    assert {f"{ROOT}._table", f"{ROOT}._kernels", f"{ROOT}._kernels.plan"} <= set(graph)
+    # The facade builds on its planners and the drop-ins on the facade.
+    assert f"{ROOT}._plan" in graph[f"{ROOT}._table"]
+    assert f"{ROOT}._table" in graph[f"{ROOT}._pointer_utils"]
+
+
+def test_kernels_import_only_kernels_and_the_compile_options() -> None:
+    graph = import_graph(ptrres_sources())
+    kernels = f"{ROOT}._kernels"
+    for module, targets in graph.items():
+        if module == kernels or module.startswith(kernels + "."):
+            outside = {
+                t for t in targets if t != kernels and not t.startswith(kernels + ".")
+            }
+            assert outside <= {f"{ROOT}._config"}, (module, outside)
+
+
+SCANNED = """
+from __future__ import annotations
+import pkg.top
+from typing import TYPE_CHECKING
+from . import sibling, name_in_init
+from .sub.leaf import thing
+
+if TYPE_CHECKING:
+    from .typed_only import Hint
+
+def lazily() -> None:
+    from ..up import value
+"""
+
+
+def test_every_kind_of_import_is_read() -> None:
+    names = set(imported_names(SCANNED, "pkg.a.mod", package=False))
+    assert {
+        ("pkg.top", None),
+        ("pkg.a", "sibling"),
+        ("pkg.a", "name_in_init"),
+        ("pkg.a.sub.leaf", "thing"),
+        ("pkg.a.typed_only", "Hint"),
+        ("pkg.up", "value"),
+    } <= names
+    # Relative to a package's __init__, "." is the package itself.
+    assert set(imported_names("from .x import y", "pkg.a", True)) == {("pkg.a.x", "y")}
+
+
+def write_package(root: Path, files: dict[str, str]) -> list[Path]:
+    paths = []
+    for name, source in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "from .a import thing",
+        "if TYPE_CHECKING:\n    from .a import thing",
+        "def f():\n    from .a import thing",
+        "from . import a",
+    ],
+)
+def test_a_cycle_is_found_however_it_is_imported(tmp_path: Path, how: str) -> None:
+    package = tmp_path / "pkg"
+    paths = write_package(
+        package,
+        {
+            "__init__.py": "",
+            "a.py": "from .b import helper\n",
+            "b.py": "from typing import TYPE_CHECKING\n" + how + "\n",
+        },
+    )
+    found = cycles(import_graph(paths, package))
+    assert found == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+def test_a_subpackage_init_closes_a_cycle(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    paths = write_package(
+        package,
+        {
+            "__init__.py": "from . import args\n",
+            "args.py": "from .kernels.common import CAP\n",
+            # Importing kernels.common runs kernels/__init__, which imports args.
+            "kernels/__init__.py": "from .other import CAP\nfrom ..args import x\n",
+            "kernels/common.py": "CAP = 1\n",
+            # Siblings in a package do not import the package back.
+            "kernels/other.py": "from .common import CAP\n",
+        },
+    )
+    found = cycles(import_graph(paths, package))
+    assert found == [["pkg.args", "pkg.kernels", "pkg.args"]]
+
+
+def test_a_name_from_the_importers_own_package_is_an_edge(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    paths = write_package(
+        package,
+        {
+            "__init__.py": "from .cli import main\n__version__ = '1'\n",
+            "cli.py": "from . import __version__\nfrom . import util\n",
+            "util.py": "",
+        },
+    )
+    graph = import_graph(paths, package)
+    assert graph["pkg.cli"] == {"pkg", "pkg.util"}
+    assert cycles(graph) == [["pkg", "pkg.cli", "pkg"]]
