@@ -105,7 +105,7 @@ def imported_violations(tree: ast.Module) -> tuple[list[str], set[str]]:
 def own_modules(tree: ast.Module) -> set[str]:
     """Names that imports bind to ptrres's own modules (``from . import vllm``):
     their private attributes are ptrres's, not Numba's."""
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom):
             continue
