@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
 # Distribution name, as the page writes it.
 VERSIONS = {"numpy": "numpy", "numba": "numba", "torch": "torch", "vllm": "vLLM"}
 
@@ -221,8 +222,70 @@ Regenerate the page with `PYTHONPATH=$PWD python benchmarks/report.py` (every
 section), `--only NAME` (one section, repeatable; the others keep their
 figures and say where they came from) or `--quick` (shortest timings, to
 check that the report still works; pass `--page /tmp/benchmarks.md` to leave
-this page alone). The prose of each section lives in `benchmarks/report.py`."""
+this page alone). The prose of each section lives in `benchmarks/report.py`.
+Each section says the load average when it started: on two shared CPUs, a
+load above 2 means the contenders shared them with other work. Writing this
+page also rewrites README's table of headline figures from it."""
 
+
+@dataclass(frozen=True)
+class Headline:
+    """One row of README's table: a figure read from a section's output."""
+
+    what: str
+    against: str
+    section: str
+    pattern: str  # its groups are the figures
+    shown: str  # str.format of the groups, as floats
+
+
+HEADLINES: tuple[Headline, ...] = (
+    Headline(
+        "vLLM's `transfer_async`, patched",
+        "vLLM's own, 1 to 2048 blocks",
+        "vllm",
+        r"geometric mean ([\d.]+)x .*lowest ([\d.]+)x",
+        "{0:.1f}x faster (geometric mean), lowest {1:.1f}x",
+    ),
+    Headline(
+        "resolve into `out=`, 1 and 16 blocks",
+        "the numpy reference",
+        "core-targets",
+        r"1 and 16 blocks: resolve\(out=\), geomean x +([\d.]+)",
+        "{0:.0f}x faster (geometric mean)",
+    ),
+    Headline(
+        "`ptrres bench`: resolve, plan, coalesce",
+        "the numpy reference, 1 to 4096 blocks",
+        "bench",
+        r"geometric mean ([\d.]+)x",
+        "{0:.1f}x faster (geometric mean)",
+    ),
+    Headline(
+        "resolve, 4096 blocks of 64 refs",
+        "a numpy fill of the same bytes",
+        "core-targets",
+        r"4096 blocks: ptrres / numpy fill +([\d.]+)",
+        "{0:.2f}x the fill's time",
+    ),
+    Headline(
+        "file-tier op lists",
+        "vLLM PR #56076's Python",
+        "file-tier",
+        r"plan_file_ops: geometric mean ([\d.]+)x",
+        "{0:.1f}x faster (geometric mean)",
+    ),
+    Headline(
+        "start-up: import, `warmup()`, a resolve",
+        "warm / empty Numba cache",
+        "startup",
+        r"cold cache ([\d.]+) s, warm cache ([\d.]+) s",
+        "{1:.2f} s / {0:.1f} s",
+    ),
+)
+
+HEADLINE_BEGIN = "<!-- headline:begin (benchmarks/report.py writes this table) -->"
+HEADLINE_END = "<!-- headline:end -->"
 BEGIN = "<!-- report:begin {} -->"
 END = "<!-- report:end {} -->"
 BLOCK = re.compile(
@@ -303,7 +366,7 @@ def as_markdown(output: str, markdown: bool) -> str:
     lines: list[str] = []
     for line in output.splitlines():
         in_table = bool(lines) and lines[-1].startswith("|")
-        if lines and lines[-1] and in_table != line.startswith("|"):
+        if line.strip() and lines and lines[-1] and in_table != line.startswith("|"):
             lines.append("")  # a table needs blank lines around it
         lines.append(line.rstrip())
     return "\n".join(lines)
@@ -317,6 +380,12 @@ def run(section: Section, quick: bool) -> Result:
         p for p in (str(ROOT), env.get("PYTHONPATH")) if p
     )
     print(f"\n$ {section.shown(quick)}", file=sys.stderr, flush=True)
+    # How busy the machine was: on a shared one, the figures' main caveat.
+    load = (
+        f" at load average {os.getloadavg()[0]:.1f}"
+        if hasattr(os, "getloadavg")
+        else ""
+    )
     start = time.perf_counter()
     process = subprocess.Popen(
         section.argv(quick), cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
@@ -334,7 +403,7 @@ def run(section: Section, quick: bool) -> Result:
     print(f"({seconds:.0f} s)", file=sys.stderr)
     return Result(
         section.shown(quick),
-        f"{environment(quick)}; took {seconds:.0f} s",
+        f"{environment(quick)}; took {seconds:.0f} s{load}",
         as_markdown("".join(lines), section.markdown),
     )
 
@@ -372,9 +441,10 @@ def render_section(section: Section, result: Result | None) -> str:
 
 
 def render_page(
-    results: dict[str, Result], sections: Sequence[Section] = SECTIONS
+    results: dict[str, Result], sections: Sequence[Section] | None = None
 ) -> str:
     """The whole page: intro, where each section ran, then the sections."""
+    sections = SECTIONS if sections is None else sections
     runs: dict[str, list[str]] = {}
     for section in sections:
         if section.name in results:
@@ -402,6 +472,36 @@ def render_page(
     for section in sections:
         lines += ["", render_section(section, results.get(section.name))]
     return "\n".join(lines) + "\n"
+
+
+def headline_table(results: dict[str, Result]) -> str:
+    """README's table of headline figures, read from the sections' outputs.
+
+    Raises:
+        ValueError: a section is missing, or its output lacks a figure.
+    """
+    lines = [
+        "| | against | ptrres |",
+        "| --- | --- | --- |",
+    ]
+    for row in HEADLINES:
+        if row.section not in results:
+            raise ValueError(f"section {row.section!r} was never measured")
+        match = re.search(row.pattern, results[row.section].output)
+        if match is None:
+            raise ValueError(f"no {row.pattern!r} in section {row.section!r}")
+        figure = row.shown.format(*map(float, match.groups()))
+        lines.append(f"| {row.what} | {row.against} | {figure} |")
+    return "\n".join(lines)
+
+
+def with_headlines(readme: str, results: dict[str, Result]) -> str:
+    """README with its headline table (between the markers) rewritten."""
+    start, end = readme.find(HEADLINE_BEGIN), readme.find(HEADLINE_END)
+    if start < 0 or end < start:
+        raise ValueError("README has no headline markers")
+    table = headline_table(results)
+    return f"{readme[: start + len(HEADLINE_BEGIN)]}\n{table}\n{readme[end:]}"
 
 
 def anchor(sections: Iterable[Section], name: str) -> str:
@@ -442,6 +542,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed.append(section.name)
         args.page.write_text(render_page(results))  # after each: nothing lost
     print(f"wrote {args.page}", file=sys.stderr)
+    if args.page.resolve() == PAGE:
+        try:
+            README.write_text(with_headlines(README.read_text(), results))
+            print(f"wrote the headline table of {README}", file=sys.stderr)
+        except ValueError as exc:
+            print(f"README left as it is: {exc}", file=sys.stderr)
+            failed.append("headlines")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
