@@ -84,7 +84,12 @@ ptrres's time per op; `x fill` is ptrres's time over a plain numpy fill of
 the same output bytes, at the largest size: the floor any implementation
 pays for writing its output. Small transfers (the per-step stores) gain the
 most, since the reference pays Python and numpy overhead per ref; large ones
-are bound by memory.""",
+are bound by memory.
+
+`ptrres bench` also takes `--preset NAME` and `--blocks 1,16,256` (a subset),
+`--operation resolve|plan|coalesce|files|canonical`, `--json PATH` (the
+results with versions and CPU) and `--plot PATH` (speedup against transfer
+size; `pip install 'ptrres[plot]'`).""",
         ("ptrres", "bench"),
         ("--quick",),
     ),
