@@ -217,20 +217,21 @@ processes. How kernels compile, and why: [docs/design.md](design.md).""",
 )
 
 INTRO = """\
-Every figure here is a ratio of medians measured side by side: the contenders
-of one table take turns in interleaved rounds, in one process (start-up:
-fresh processes), so that what the machine does meanwhile slows them alike.
-On a shared machine single cells still move by a quarter or more between runs;
-geometric means and the ratio columns move less. No test asserts a timing.
+Every comparison here is measured side by side: the contenders of one table
+take turns in interleaved rounds, in one process, so that what the machine
+does meanwhile slows them alike. Read the ratios: absolute times (and
+start-up, timed in fresh processes) depend on the machine and on how busy it
+was. On a shared machine single cells move by a quarter or more between
+runs; geometric means move less. No test asserts a timing.
 
 Regenerate the page with `PYTHONPATH=$PWD python benchmarks/report.py` (every
 section), `--only NAME` (one section, repeatable; the others keep their
 figures and say where they came from) or `--quick` (shortest timings, to
 check that the report still works; pass `--page /tmp/benchmarks.md` to leave
 this page alone). The prose of each section lives in `benchmarks/report.py`.
-Each section says the load average when it started: on two shared CPUs, a
-load above 2 means the contenders shared them with other work. Writing this
-page also rewrites README's table of headline figures from it."""
+Each section says the load average when it started: above the number of
+CPUs, the contenders shared them with other work. Writing this page also
+rewrites README's table of headline figures from it."""
 
 
 @dataclass(frozen=True)
@@ -462,13 +463,15 @@ def render_page(
         "",
         INTRO,
         "",
-        "Measured on:",
-        "",
     ]
-    lines += [
-        f"- {', '.join(f'[{n}](#{anchor(sections, n)})' for n in names)}: {ran_on}"
-        for ran_on, names in runs.items()
-    ] or ["- nothing yet"]
+    if len(runs) == 1 and len(next(iter(runs.values()))) == len(sections):
+        lines.append(f"Every section ran on: {next(iter(runs))}.")
+    else:
+        lines += ["Measured on:", ""]
+        lines += [
+            f"- {', '.join(f'[{n}](#{anchor(sections, n)})' for n in names)}: {ran_on}"
+            for ran_on, names in runs.items()
+        ] or ["- nothing yet"]
     lines += ["", "| section | command |", "| --- | --- |"]
     lines += [
         f"| [{s.title}](#{anchor(sections, s.name)}) | `{s.shown(False)}` |"
