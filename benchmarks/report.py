@@ -64,6 +64,11 @@ class Section:
         return args
 
 
+# Scripts of benchmarks/ that the page does not run, and why.
+NOT_ON_THE_PAGE = {
+    "ab_bench.py": "compares two checkouts (a change against its base)",
+}
+
 SECTIONS: tuple[Section, ...] = (
     Section(
         "bench",
