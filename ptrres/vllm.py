@@ -19,38 +19,43 @@ caches are registered) pay for the warmup. Importing this module does not
 import vLLM: only ``patch()`` does, and ``import ptrres`` never imports this
 module.
 
-This module uses only ptrres's public API.
+Which releases are tested, and the check that the installed vLLM's handler
+is theirs, are in ``ptrres._vllm_release``; a handler's ptrres state is a
+``ptrres._vllm_handler.HandlerPlan``. This module uses only ptrres's public
+API.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
-import inspect
 import logging
 import os
-import re
 import sys
 import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
-
-import numpy as np
 
 from . import (
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
-    GPULoadStoreSpec,
     OffloadedLayout,
     PointerTable,
     WarmupReport,
     iter_pointer_groups,
     resolve_device_pointers,
     warmup,
+)
+from ._vllm_handler import HandlerPlan, max_copy_ops, rehearse
+from ._vllm_release import (
+    POINTER_UTILS_MODULE,
+    SUPPORTED_VLLM,
+    WORKER_MODULE,
+    find_handler,
+    optional_module,
+    parameter_names,
+    signature_refusal,
 )
 
 __all__ = [
@@ -68,35 +73,7 @@ logger = logging.getLogger("ptrres.vllm")
 # it, so its line shows among vLLM's.
 _VLLM_CHILD_LOGGER = "vllm.ptrres"
 
-# The handler's constructor in each release this module was tested against
-# (its patch releases included): 0.31 added host_memory_is_pinned, with which
-# unpinned host memory also sends loads to ops.swap_blocks_batch. The patched
-# handler reads the copy function vLLM chose, so it follows each release.
-_INIT_PARAMETERS = [
-    "self",
-    "gpu_tensors",
-    "cpu_tensors",
-    "blocks_per_chunk",
-    "layer_refs_per_group",
-    "gpu_to_cpu",
-    "canonical_layout",
-]
-_RELEASE_INIT_PARAMETERS: dict[str, list[str]] = {
-    "0.30": _INIT_PARAMETERS,
-    "0.31": [*_INIT_PARAMETERS, "host_memory_is_pinned"],
-    "0.32": [*_INIT_PARAMETERS, "host_memory_is_pinned"],
-    "0.33": [*_INIT_PARAMETERS, "host_memory_is_pinned"],
-}
-# vLLM releases whose handler this module was tested against, each with its
-# patch releases (0.33 stands for 0.33.x).
-SUPPORTED_VLLM: tuple[str, ...] = tuple(_RELEASE_INIT_PARAMETERS)
-_SUPPORTED_VERSION = re.compile(
-    r"(" + "|".join(re.escape(release) for release in SUPPORTED_VLLM) + r")(\.|$)"
-)
-WORKER_MODULE = "vllm.v1.kv_offload.cpu.gpu_worker"
-POINTER_UTILS_MODULE = "vllm.v1.kv_offload.pointer_utils"
-HANDLER_CLASS = "SingleDirectionOffloadingHandler"
-# Where a handler keeps its ptrres state: a _HandlerPlan, built by the patched
+# Where a handler keeps its ptrres state: a HandlerPlan, built by the patched
 # __init__ (or on the first transfer of a handler built before patch()), or
 # _DECLINED when ptrres could not plan for it.
 _STATE_ATTRIBUTE = "_ptrres_plan"
@@ -264,66 +241,12 @@ def _coalesce_requested() -> bool:
 # --- what to replace ---------------------------------------------------------
 
 
-def _parameters(function: Any) -> list[tuple[str, Any]]:
-    """A callable's parameter names and kinds (annotations do not matter)."""
-    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
-
-
-# vLLM names whose signatures the patched transfer_async relies on, the same
-# in every tested release: the method it replaces, the fill it stands for, and
-# the helpers it calls. (__init__'s is each release's own.)
-_HANDLER_SIGNATURES: dict[str, list[str]] = {
-    "transfer_async": ["self", "job_id", "src_spec", "dst_spec"],
-    "_estimate_max_copy_ops": ["self", "group_sizes"],
-    "_fill_direct_ops": [
-        "self",
-        "g_idx",
-        "group_src",
-        "group_dst",
-        "group_size",
-        "src_skip_count",
-        "dst_skip_count",
-        "all_src",
-        "all_dst",
-        "all_sizes",
-        "op_idx",
-    ],
-    "get_finished": ["self"],
-}
-_WORKER_NAMES = ("_new_descriptor_buffers", "Transfer", "current_platform", "torch")
-
-
 def _plan_replacements() -> tuple[list[_Replacement], str | None]:
     """Every attribute to replace, or the reason to replace none."""
-    try:
-        vllm = importlib.import_module("vllm")
-    except ImportError as error:
-        return [], f"vLLM cannot be imported ({error})"
-    version = str(getattr(vllm, "__version__", "unknown"))
-    tested = _SUPPORTED_VERSION.match(version)
-    if tested is None:
-        return [], (
-            f"vLLM {version} is not a tested version "
-            f"({', '.join(f'{release}.x' for release in SUPPORTED_VLLM)})"
-        )
-    try:
-        worker = importlib.import_module(WORKER_MODULE)
-    except ImportError as error:
-        return [], f"{WORKER_MODULE} cannot be imported ({error})"
-    handler = getattr(worker, HANDLER_CLASS, None)
-    if not isinstance(handler, type):
-        return [], f"{WORKER_MODULE}.{HANDLER_CLASS} is missing"
-    signatures = {
-        "__init__": _RELEASE_INIT_PARAMETERS[tested.group(1)],
-        **_HANDLER_SIGNATURES,
-    }
-    for name, expected in signatures.items():
-        refusal = _signature_refusal(handler, name, expected)
-        if refusal is not None:
-            return [], refusal
-    for name in _WORKER_NAMES:
-        if not hasattr(worker, name):
-            return [], f"{WORKER_MODULE}.{name} is missing"
+    found = find_handler()
+    if isinstance(found, str):
+        return [], found
+    worker, handler = found
     original_init = vars(handler)["__init__"]
     replacements = [
         _Replacement(handler, "__init__", original_init, _patched_init(original_init)),
@@ -331,11 +254,11 @@ def _plan_replacements() -> tuple[list[_Replacement], str | None]:
             handler, "transfer_async", vars(handler)["transfer_async"], transfer_async
         ),
     ]
-    pointer_utils = _optional_module(POINTER_UTILS_MODULE)
+    pointer_utils = optional_module(POINTER_UTILS_MODULE)
     if pointer_utils is not None:
         for ours in (resolve_device_pointers, iter_pointer_groups):
             name = ours.__name__
-            refusal = _signature_refusal(pointer_utils, name, _names(ours))
+            refusal = signature_refusal(pointer_utils, name, parameter_names(ours))
             if refusal is not None:
                 return [], refusal
             original = getattr(pointer_utils, name)
@@ -346,78 +269,7 @@ def _plan_replacements() -> tuple[list[_Replacement], str | None]:
     return replacements, None
 
 
-def _names(function: Callable[..., Any]) -> list[str]:
-    return [name for name, _ in _parameters(function)]
-
-
-def _signature_refusal(owner: Any, name: str, expected: list[str]) -> str | None:
-    """Why ``owner.name`` cannot be replaced (None when it can)."""
-    where = getattr(owner, "__qualname__", None) or owner.__name__
-    # A class attribute must be the class's own, so that unpatch() restores it
-    # to the same place; a module's is its own anyway.
-    found = (
-        vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
-    )
-    if found is None or not callable(found):
-        return f"{where}.{name} is missing"
-    try:
-        parameters = _parameters(found)
-    except (TypeError, ValueError):
-        return f"{where}.{name} has no readable signature"
-    if [p for p, _ in parameters] != expected or any(
-        kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,) for _, kind in parameters
-    ):
-        return (
-            f"{where}.{name} has the signature {inspect.signature(found)}, "
-            f"not ({', '.join(expected)})"
-        )
-    return None
-
-
-def _optional_module(name: str) -> ModuleType | None:
-    """The module ``name`` if it is installed (or already imported), else None."""
-    module = sys.modules.get(name)
-    if module is not None:
-        return module
-    try:
-        if importlib.util.find_spec(name) is None:
-            return None
-        return importlib.import_module(name)
-    except (ImportError, ValueError):
-        return None
-
-
 # --- the patched handler -----------------------------------------------------
-
-
-@dataclass
-class _HandlerPlan:
-    """What one handler needs for its ptrres plans, built once per handler."""
-
-    # The handler's device tensors and refs, flattened.
-    table: PointerTable
-    # Its CPU tensors, in chunks of blocks_per_chunk device blocks.
-    offloaded: OffloadedLayout
-    # Merge descriptors that continue each other (PTRRES_VLLM_COALESCE=1, and
-    # only where vLLM submits them with cuMemcpyBatchAsync).
-    coalesce: bool
-    # The buffer set used last and its numpy views: a handler with one
-    # transfer in flight takes the same set from its pool every time.
-    last_buffers: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
-
-    def numpy_views(self, buffers: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The numpy arrays over a pooled (src, dst, sizes) tensor set."""
-        last = self.last_buffers
-        if (
-            last is not None
-            and last[0][0] is buffers[0]
-            and last[0][1] is buffers[1]
-            and last[0][2] is buffers[2]
-        ):
-            return last[1]
-        views = tuple(t.numpy() for t in buffers)
-        self.last_buffers = (tuple(buffers), views)
-        return views
 
 
 def _patched_init(vllm_init: Callable[..., None]) -> Callable[..., None]:
@@ -436,7 +288,7 @@ def _patched_init(vllm_init: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-def _attach_plan(handler: Any, *, warm_up: bool = False) -> _HandlerPlan | None:
+def _attach_plan(handler: Any, *, warm_up: bool = False) -> HandlerPlan | None:
     """Build the handler's ptrres plan and keep it on the handler.
 
     With ``warm_up``, first make every kernel ready (_warm_up_kernels). Where
@@ -453,8 +305,8 @@ def _attach_plan(handler: Any, *, warm_up: bool = False) -> _HandlerPlan | None:
             _warm_up_kernels()
         built = _handler_plan(handler)
         if warm_up:
-            _rehearse(handler, built)
-        plan: _HandlerPlan | str = built
+            rehearse(handler, built)
+        plan: HandlerPlan | str = built
     except Exception as error:
         _reporter().warning(
             "ptrres: this %s keeps vLLM's own transfers: %s",
@@ -464,7 +316,7 @@ def _attach_plan(handler: Any, *, warm_up: bool = False) -> _HandlerPlan | None:
         )
         plan = _DECLINED
     setattr(handler, _STATE_ATTRIBUTE, plan)
-    return plan if isinstance(plan, _HandlerPlan) else None
+    return plan if isinstance(plan, HandlerPlan) else None
 
 
 def _warm_up_kernels() -> None:
@@ -498,7 +350,7 @@ def _describe_warmup(report: WarmupReport) -> str:
     )
 
 
-def _handler_plan(handler: Any) -> _HandlerPlan:
+def _handler_plan(handler: Any) -> HandlerPlan:
     """The handler's ptrres state: its table, its offloaded layout, coalescing.
 
     Direct and canonical layouts alike: with ``canonical_layout=True`` the CPU
@@ -522,37 +374,11 @@ def _handler_plan(handler: Any) -> _HandlerPlan:
         handler.layer_refs_per_group,
     )
     worker = sys.modules[WORKER_MODULE]
-    return _HandlerPlan(
+    return HandlerPlan(
         table=PointerTable(kv_caches),
         offloaded=offloaded,
         coalesce=_coalesce_requested()
         and handler._swap_blocks_batch is worker.ops.swap_blocks_batch,
-    )
-
-
-def _rehearse(handler: Any, plan: _HandlerPlan) -> None:
-    """Plan block 0 of each group, into scratch buffers, as a transfer would.
-
-    The first call of a kernel with given argument types still costs Numba
-    some typing in Python, and under numpy 2 its first look at an array
-    imports numpy.ma (26 ms, measured): paid here, the first transfer takes
-    the path of every later one. Block 0 and chunk 0 exist in every layout;
-    the plan only computes pointers, into buffers of vLLM's own kind (int64,
-    uint64 on XPU), and copies nothing.
-    """
-    num_groups = len(handler.layer_refs_per_group)
-    # int32 ids, as vLLM's specs hold them; one chunk per (non-empty) group.
-    block_ids = np.zeros(num_groups, np.int32)
-    spec = GPULoadStoreSpec(block_ids, [1] * num_groups, [0] * num_groups)
-    num_copy_ops = max(_max_copy_ops(handler, spec), 1)
-    buffers = sys.modules[WORKER_MODULE]._new_descriptor_buffers(num_copy_ops)
-    plan.table.plan_transfer(
-        spec,
-        plan.offloaded,
-        block_ids.copy(),
-        store=handler.gpu_to_cpu,
-        out=tuple(t.numpy() for t in buffers),
-        coalesce=plan.coalesce,
     )
 
 
@@ -568,14 +394,14 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     # A handler built before patch() gets its plan now (its kernels compile
     # on first use); one built by the patched __init__ has it already.
     plan = _attach_plan(self) if state is None else state
-    if _applied is None or not isinstance(plan, _HandlerPlan):
+    if _applied is None or not isinstance(plan, HandlerPlan):
         return bool(_vllm_transfer_async(self, job_id, src_spec, dst_spec))
     worker = sys.modules[WORKER_MODULE]
     if self.gpu_to_cpu:
         gpu_spec, offloaded_ids = src_spec, dst_spec.block_ids
     else:
         gpu_spec, offloaded_ids = dst_spec, src_spec.block_ids
-    num_copy_ops = _max_copy_ops(self, gpu_spec)
+    num_copy_ops = max_copy_ops(self, gpu_spec)
 
     # A pooled buffer set, or a new one where the pool's is too small.
     buffers = self._buffer_pool.pop() if self._buffer_pool else None
@@ -638,15 +464,3 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
         )
     )
     return True
-
-
-def _max_copy_ops(handler: Any, gpu_spec: Any) -> int:
-    """Descriptors the transfer needs at most, to size its buffers.
-
-    Malformed group sizes give 0 here; plan_transfer then says what is wrong
-    with them (it checks the spec before the buffers).
-    """
-    try:
-        return max(int(handler._estimate_max_copy_ops(gpu_spec.group_sizes)), 0)
-    except (TypeError, ValueError, AttributeError):
-        return 0

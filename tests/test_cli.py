@@ -19,8 +19,9 @@ import numba
 import pytest
 
 import ptrres
-from ptrres._cli import _check, main, probe_findings
+from ptrres._cli import main
 from ptrres._config import KERNELS
+from ptrres._operator import check_command, probe_findings
 from ptrres.bench import PRESETS, VirtualTensor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,10 +205,10 @@ def test_warmup_says_what_it_made_ready_and_where_the_cache_is(
 def test_warmup_exits_non_zero_where_nothing_can_be_cached(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ptrres import _cli, _config
+    from ptrres import _config, _operator
 
     monkeypatch.setattr(_config, "cache_refused", "no locator available")
-    monkeypatch.setattr(_cli, "_jit_disabled", lambda: False)
+    monkeypatch.setattr(_operator, "_jit_disabled", lambda: False)
     assert main(["warmup"]) == 1
     text = capsys.readouterr().out
     assert "Numba cannot cache here (no locator available)" in text
@@ -247,7 +248,7 @@ def test_the_warmup_command_runs_in_a_fresh_process(tmp_path: Path) -> None:
 def check(*argv: str) -> tuple[int, dict[str, tuple[str, str]], str]:
     """`ptrres check`'s exit status, its findings by topic, and its text."""
     out = io.StringIO()
-    status = _check(out, kernels="--no-kernels" not in argv)
+    status = check_command(out, kernels="--no-kernels" not in argv)
     text = out.getvalue()
     findings = {}
     for line in text.splitlines()[1:-1]:
@@ -439,7 +440,7 @@ def test_check_reports_a_numba_cache_dir_numba_passed_over(
 def test_a_writable_folder_is_told_from_one_that_cannot_be_made(
     tmp_path: Path,
 ) -> None:
-    from ptrres._cli import _writable
+    from ptrres._operator import _writable
 
     assert _writable(str(tmp_path / "new" / "cache")) is None
     assert (tmp_path / "new" / "cache").is_dir()
@@ -532,12 +533,12 @@ def test_probe_findings_on_a_cache_numba_cannot_use(
 def test_check_says_when_the_fresh_interpreter_fails(
     failure: str, vllm_env: Any
 ) -> None:
-    from ptrres import _cli
+    from ptrres import _operator
 
     if failure == "no interpreter":
         vllm_env.setattr(sys, "executable", "/nonexistent/python")
     else:
-        vllm_env.setattr(_cli, "_PROBE", "import sys; sys.exit('no numba here')")
+        vllm_env.setattr(_operator, "_PROBE", "import sys; sys.exit('no numba here')")
     status, findings, _ = check("--no-kernels")
     assert status == 0  # the plugin would still patch
     assert findings["kernels"][0] == "warn"
@@ -549,7 +550,7 @@ def test_check_says_when_the_fresh_interpreter_fails(
 
 
 def test_numba_probe_in_this_process() -> None:
-    from ptrres._cli import numba_probe
+    from ptrres._operator import numba_probe
 
     quick = numba_probe(kernels=False)
     assert quick["numba"] == numba.__version__
@@ -570,10 +571,10 @@ def test_warmup_report_lists_each_kernel_under_how_it_was_made_ready(
 ) -> None:
     """The listing itself, with or without the JIT (without it, each kernel
     is "interpreted" and the cache is nobody's)."""
-    from ptrres import _cli
+    from ptrres import _operator
 
-    monkeypatch.setattr(_cli, "_jit_disabled", lambda: False)
-    monkeypatch.setattr(_cli, "_cache_refused", lambda: None)
+    monkeypatch.setattr(_operator, "_jit_disabled", lambda: False)
+    monkeypatch.setattr(_operator, "_cache_refused", lambda: None)
     assert main(["warmup", "--processes", "1"]) == 0
     rows = capsys.readouterr().out.splitlines()[1:-2]
     listed, names = {}, []

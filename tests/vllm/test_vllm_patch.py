@@ -20,6 +20,7 @@ from vllm_harness import worker
 
 import ptrres
 import ptrres.vllm as plugin
+from ptrres._vllm_release import optional_module
 
 ROOT = Path(__file__).resolve().parents[2]
 Handler = worker.SingleDirectionOffloadingHandler
@@ -412,8 +413,8 @@ def test_a_method_without_a_signature_leaves_vllm_alone(
 
 
 def test_optional_modules(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert plugin._optional_module("json") is sys.modules["json"]
+    assert optional_module("json") is sys.modules["json"]
     monkeypatch.delitem(sys.modules, "wave", raising=False)  # found, then imported
-    assert plugin._optional_module("wave").__name__ == "wave"  # type: ignore[union-attr]
-    assert plugin._optional_module("vllm.no_such_package.pointer_utils") is None
-    assert plugin._optional_module(POINTER_UTILS) is None  # not in vLLM 0.33
+    assert optional_module("wave").__name__ == "wave"  # type: ignore[union-attr]
+    assert optional_module("vllm.no_such_package.pointer_utils") is None
+    assert optional_module(POINTER_UTILS) is None  # not in vLLM 0.33

@@ -1,0 +1,151 @@
+"""Which vLLM releases ``ptrres.vllm`` patches, and whether the installed
+vLLM's handler is the one those releases have: every name and signature the
+patched handler relies on, checked before anything is replaced.
+
+Importing this module does not import vLLM: only find_handler() does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+# The handler's constructor in each release this module was tested against
+# (its patch releases included): 0.31 added host_memory_is_pinned, with which
+# unpinned host memory also sends loads to ops.swap_blocks_batch. The patched
+# handler reads the copy function vLLM chose, so it follows each release.
+_INIT_PARAMETERS = [
+    "self",
+    "gpu_tensors",
+    "cpu_tensors",
+    "blocks_per_chunk",
+    "layer_refs_per_group",
+    "gpu_to_cpu",
+    "canonical_layout",
+]
+_RELEASE_INIT_PARAMETERS: dict[str, list[str]] = {
+    "0.30": _INIT_PARAMETERS,
+    "0.31": [*_INIT_PARAMETERS, "host_memory_is_pinned"],
+    "0.32": [*_INIT_PARAMETERS, "host_memory_is_pinned"],
+    "0.33": [*_INIT_PARAMETERS, "host_memory_is_pinned"],
+}
+# vLLM releases whose handler this module was tested against, each with its
+# patch releases (0.33 stands for 0.33.x).
+SUPPORTED_VLLM: tuple[str, ...] = tuple(_RELEASE_INIT_PARAMETERS)
+SUPPORTED_VERSION = re.compile(
+    r"(" + "|".join(re.escape(release) for release in SUPPORTED_VLLM) + r")(\.|$)"
+)
+WORKER_MODULE = "vllm.v1.kv_offload.cpu.gpu_worker"
+POINTER_UTILS_MODULE = "vllm.v1.kv_offload.pointer_utils"
+HANDLER_CLASS = "SingleDirectionOffloadingHandler"
+
+
+# vLLM names whose signatures the patched transfer_async relies on, the same
+# in every tested release: the method it replaces, the fill it stands for, and
+# the helpers it calls. (__init__'s is each release's own.)
+_HANDLER_SIGNATURES: dict[str, list[str]] = {
+    "transfer_async": ["self", "job_id", "src_spec", "dst_spec"],
+    "_estimate_max_copy_ops": ["self", "group_sizes"],
+    "_fill_direct_ops": [
+        "self",
+        "g_idx",
+        "group_src",
+        "group_dst",
+        "group_size",
+        "src_skip_count",
+        "dst_skip_count",
+        "all_src",
+        "all_dst",
+        "all_sizes",
+        "op_idx",
+    ],
+    "get_finished": ["self"],
+}
+_WORKER_NAMES = ("_new_descriptor_buffers", "Transfer", "current_platform", "torch")
+
+
+def find_handler() -> tuple[ModuleType, type] | str:
+    """vLLM's worker module and its handler class, or why neither can be
+    patched (vLLM missing or untested, a name or signature not the release's)."""
+    try:
+        vllm = importlib.import_module("vllm")
+    except ImportError as error:
+        return f"vLLM cannot be imported ({error})"
+    version = str(getattr(vllm, "__version__", "unknown"))
+    tested = SUPPORTED_VERSION.match(version)
+    if tested is None:
+        return (
+            f"vLLM {version} is not a tested version "
+            f"({', '.join(f'{release}.x' for release in SUPPORTED_VLLM)})"
+        )
+    try:
+        worker = importlib.import_module(WORKER_MODULE)
+    except ImportError as error:
+        return f"{WORKER_MODULE} cannot be imported ({error})"
+    handler = getattr(worker, HANDLER_CLASS, None)
+    if not isinstance(handler, type):
+        return f"{WORKER_MODULE}.{HANDLER_CLASS} is missing"
+    signatures = {
+        "__init__": _RELEASE_INIT_PARAMETERS[tested.group(1)],
+        **_HANDLER_SIGNATURES,
+    }
+    for name, expected in signatures.items():
+        refusal = signature_refusal(handler, name, expected)
+        if refusal is not None:
+            return refusal
+    for name in _WORKER_NAMES:
+        if not hasattr(worker, name):
+            return f"{WORKER_MODULE}.{name} is missing"
+    return worker, handler
+
+
+def _parameters(function: Any) -> list[tuple[str, Any]]:
+    """A callable's parameter names and kinds (annotations do not matter)."""
+    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
+
+
+def parameter_names(function: Callable[..., Any]) -> list[str]:
+    return [name for name, _ in _parameters(function)]
+
+
+def signature_refusal(owner: Any, name: str, expected: list[str]) -> str | None:
+    """Why ``owner.name`` cannot be replaced (None when it can)."""
+    where = getattr(owner, "__qualname__", None) or owner.__name__
+    # A class attribute must be the class's own, so that unpatch() restores it
+    # to the same place; a module's is its own anyway.
+    found = (
+        vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
+    )
+    if found is None or not callable(found):
+        return f"{where}.{name} is missing"
+    try:
+        parameters = _parameters(found)
+    except (TypeError, ValueError):
+        return f"{where}.{name} has no readable signature"
+    if [p for p, _ in parameters] != expected or any(
+        kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,) for _, kind in parameters
+    ):
+        return (
+            f"{where}.{name} has the signature {inspect.signature(found)}, "
+            f"not ({', '.join(expected)})"
+        )
+    return None
+
+
+def optional_module(name: str) -> ModuleType | None:
+    """The module ``name`` if it is installed (or already imported), else None."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    try:
+        if importlib.util.find_spec(name) is None:
+            return None
+        return importlib.import_module(name)
+    except (ImportError, ValueError):
+        return None
