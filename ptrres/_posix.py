@@ -4,8 +4,8 @@ The POSIX worker of vLLM PR #56076 stores host (CPU, pinned) pages in files
 with one system call per op. Here each file is one task in a thread pool, and
 each run of ops that follow each other in the file is one ``os.pwritev`` or
 ``os.preadv`` over the pages (at most IOV_MAX at a time), which releases the
-GIL. Device memory needs a GPU-aware engine (cuFile, kvikio, NIXL): see the
-README's file-tier section for how a FilePlan maps onto them.
+GIL. Device memory needs a GPU-aware engine (cuFile, kvikio, NIXL): see
+docs/file-tier.md for how a FilePlan maps onto them.
 """
 
 from __future__ import annotations
