@@ -27,7 +27,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -114,7 +114,9 @@ def warmup(*, processes: int | None = None) -> WarmupReport:
         for index, (dispatcher, signatures) in enumerate(KERNELS):
             name = getattr(dispatcher, "__name__", repr(dispatcher))
             # A kernel another process is compiling: wait for it, then load it.
-            with _kernel_lock(dispatcher, wait=index in pending):
+            # One already closed is ready: no lock file to open.
+            lock = _kernel_lock(dispatcher, wait=True) if index in before else None
+            with lock or nullcontext():
                 hows = [_make_ready(index, s, before.get(index)) for s in signatures]
             for signature, how in zip(signatures, hows):
                 if index in compiled:
