@@ -29,6 +29,7 @@ from ._diagnose import file_plan_error, overlap_error, resolve_error
 from ._errors import InputTypeError, SpecError
 from ._geometry import Groups
 from ._groups import GroupCounts, iter_pointer_groups
+from ._kernels.common import ALLOCATION
 from ._kernels.files import FILE_BYTES, FILE_GROUP, FILE_START
 from ._results import DevicePointers, FilePlan
 
@@ -108,7 +109,7 @@ def plan_file_ops(
             f"groups make {n_ops} ops"
         )
     outputs = None if out is None else out_arrays(out, n_ops, FILE_OPS)
-    return _run(ptrs, sizes, groups, n_files, options, outputs, device_ptrs)
+    return _run(ptrs, sizes, groups, n_files, options, outputs, device_ptrs, _UNKNOWN)
 
 
 def plan_spec_file_ops(
@@ -155,8 +156,22 @@ def plan_spec_file_ops(
     groups, _, n_files = _groups(
         resolved, (sizes_of_groups, ref_counts, block_indices), options[0]
     )
-    return _run(ptrs, sizes, groups, n_files, options, outputs, resolved)
+    # The allocation of each ref of the non-empty groups, in order.
+    allocations = ref_table[
+        [
+            ref
+            for g, size in enumerate(sizes_of_groups)
+            if size
+            for ref in range(group_ref_start[g], group_ref_start[g + 1])
+        ],
+        ALLOCATION,
+    ]
+    return _run(ptrs, sizes, groups, n_files, options, outputs, resolved, allocations)
 
+
+# Device pointers alone do not say which allocation each lies in: merged ops
+# then pass from one ref into the next wherever the pointers continue.
+_UNKNOWN = np.empty(0, np.int64)
 
 # Checked options (file_options): bpc, block-major or not, merge, the cap.
 FileOptions = tuple[int, bool, bool, int]
@@ -170,11 +185,13 @@ def _run(
     options: FileOptions,
     outputs: list[npt.NDArray[np.uint64]] | None,
     device_ptrs: Any,
+    allocations: npt.NDArray[np.int64],
 ) -> FilePlan:
     """Run the file kernel on checked input, and turn a failure into its error.
 
     ``outputs`` are the views out_arrays made of the caller's out= buffers, or
     None for new arrays (made here: out_arrays' generic path costs more).
+    ``allocations`` are the refs' (the kernel's), or _UNKNOWN.
     """
     bpc, block_major, merge, cap = options
     n_ops = len(ptrs)
@@ -186,7 +203,7 @@ def _run(
         dev_out, off_out, size_out = outputs
     files = np.empty((3, n_files + 1), np.int64)
     written = _kernels.plan_file_ops_kernel(
-        ptrs, sizes, groups, bpc, block_major, merge, cap,
+        ptrs, sizes, groups, allocations, bpc, block_major, merge, cap,
         dev_out, off_out, size_out, files,
     )  # fmt: skip
     if written < 0:

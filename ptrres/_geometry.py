@@ -25,6 +25,8 @@ class TensorGeometry(NamedTuple):
     num_blocks: int
     # Bytes of one row's elements; the stride may be larger (padding).
     row_bytes: int
+    # Which allocation the tensor is a view of (allocation_of).
+    allocation: int
 
 
 class RefRow(NamedTuple):
@@ -35,6 +37,7 @@ class RefRow(NamedTuple):
     page_size_bytes: int
     num_blocks: int
     tensor_idx: int
+    allocation: int  # the tensor's (TensorGeometry.allocation)
 
 
 # A table's refs, group by group, as it read them (read_layout).
@@ -79,7 +82,40 @@ def tensor_geometry(
             f"{row_stride_bytes} B apart) does not lie between 0 and 2**63 - 1, "
             "the addresses ptrres computes"
         )
-    return TensorGeometry(base_ptr, row_stride_bytes, num_blocks, row_bytes)
+    allocation = allocation_of(tensor, -1 - tensor_idx)
+    return TensorGeometry(base_ptr, row_stride_bytes, num_blocks, row_bytes, allocation)
+
+
+def allocation_of(tensor: Any, unknown: int) -> int:
+    """A number that two tensors share when they are views of one allocation
+    on the same side, so that a merged copy may pass from one into the other
+    (SPEC 6): the data pointer of a torch tensor's ``untyped_storage()``; for
+    a numpy array, that of the array that owns its memory, or the identity
+    of the object whose buffer it views (an ``mmap``, a ``bytearray``).
+
+    Args:
+        unknown: the answer for any other object (or one whose storage
+            cannot be read): a negative number of its own, so that no copy
+            passes from it into another tensor.
+    """
+    if isinstance(tensor, np.ndarray):
+        owner: Any = tensor
+        while True:
+            if isinstance(owner, np.ndarray) and owner.base is not None:
+                owner = owner.base
+            elif isinstance(owner, memoryview) and owner.obj is not None:
+                owner = owner.obj
+            else:
+                break
+        if isinstance(owner, np.ndarray):
+            data: int = owner.__array_interface__["data"][0]
+            return data
+        return id(owner)  # alive as long as the views are
+    try:
+        storage = tensor.untyped_storage()
+        return as_int(storage.data_ptr(), "untyped_storage().data_ptr()")
+    except Exception:  # not a torch tensor: no storage to compare
+        return unknown
 
 
 def _tensor_answers(tensor: Any, what: str) -> tuple[tuple[int, ...], int, int, int]:
@@ -145,6 +181,7 @@ def read_layout(kv_caches: Any) -> list[list[RefRow]]:
                     page_size,
                     geometry.num_blocks,
                     tensor_idx,
+                    geometry.allocation,
                 )
             )
         groups.append(rows)
@@ -173,6 +210,7 @@ class OffloadedGeometry(NamedTuple):
     # Bytes of one of the blocks_per_chunk sub-blocks of a row.
     sub_bytes: int
     num_chunks: int
+    allocation: int  # as TensorGeometry.allocation
 
 
 def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometry]:
@@ -203,6 +241,7 @@ def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometr
                 row_stride_bytes=geometry.row_stride_bytes,
                 sub_bytes=geometry.row_bytes // bpc,
                 num_chunks=geometry.num_blocks,
+                allocation=geometry.allocation,
             )
         )
     return geometries

@@ -281,14 +281,17 @@ def may_merge(
     blocks_per_chunk: int,
 ) -> bool:
     """Whether two of a ref's fragments may ever continue each other on both
-    sides, in a flat plan of any block ids (False only when proven never).
+    sides, upwards or downwards, in a flat plan of any block ids (False only
+    when proven never).
 
     Within a block, fragment i continues fragment i - 1 only where both its
-    offsets do. Across two kept blocks, the first fragment continues the
-    last when the device steps (row_stride apart, times an id difference)
-    and the offloaded ones (row and sub-block steps) both span the gap
-    between them: the gap must be a multiple of row_stride, and of the
-    offloaded steps' gcd. Pages a writer keeps (num_writers > 1) are
+    offsets do (or, downwards, where it ends where the other starts). Across
+    two kept blocks, the first fragment continues the last when the device
+    steps (row_stride apart, times an id difference) and the offloaded ones
+    (row and sub-block steps) both span the gap between them: upwards, from
+    the first fragment's start to the last's end; downwards, from the last's
+    start to the first's end. The gap must be a multiple of row_stride, and
+    of the offloaded steps' gcd. Pages a writer keeps (num_writers > 1) are
     num_writers canonical pages apart, a multiple of num_writers sub-blocks
     when rows hold exactly blocks_per_chunk of them.
 
@@ -303,21 +306,36 @@ def may_merge(
     ]
     if not fragments:
         return False
-    for (local, canonical, size), (next_local, next_canonical, _) in pairwise(
+    for (local, canonical, size), (next_local, next_canonical, next_size) in pairwise(
         fragments
     ):
         if local + size == next_local and canonical + size == next_canonical:
             return True
+        if next_size and (next_local + next_size, next_canonical + next_size) == (
+            local,
+            canonical,
+        ):
+            return True
+    first_local, first_canonical, first_size = fragments[0]
     last_local, last_canonical, last_size = fragments[-1]
-    device_gap = last_local + last_size - fragments[0][0]
-    offloaded_gap = last_canonical + last_size - fragments[0][1]
     off_row_stride, sub_bytes = offloaded_row[1], offloaded_row[2]
     offloaded_step = math.gcd(off_row_stride, sub_bytes)
     if num_writers > 1 and off_row_stride == blocks_per_chunk * sub_bytes:
         offloaded_step = num_writers * sub_bytes
-    return bool(
+    gaps = [  # (device, offloaded), upwards then downwards
+        (
+            last_local + last_size - first_local,
+            last_canonical + last_size - first_canonical,
+        ),
+        (
+            first_local + first_size - last_local,
+            first_canonical + first_size - last_canonical,
+        ),
+    ]
+    return any(
         (row_stride == 0 or device_gap % row_stride == 0)
         and (offloaded_step == 0 or offloaded_gap % offloaded_step == 0)
+        for device_gap, offloaded_gap in gaps
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .._config import inline_helper, kernel
-from .coalesce import append_merged, continues
+from .coalesce import FRESH, SINGLE, append_merged, joined, same_allocations
 from .common import (
     BASE_PTR,
     OFF_BASE_PTR,
@@ -147,6 +147,7 @@ def canonical_plan_kernel(
     cap = np.uint64(np.int64(max_run_bytes))  # NO_CAP (-1) becomes 2**64 - 1
     flat = (src, dst, width)
     written = ZERO
+    prev_ref, state = np.int64(0), FRESH  # of the last descriptor written
     num_bytes = np.int64(0)
     first_id = first_chunk = ZERO
     for group in range(group_sizes.shape[0]):
@@ -243,18 +244,25 @@ def canonical_plan_kernel(
                             off_pitch[op + i] = canonical_strides[item]
             end = written + n_rows * n_items
             if merge and written < end:  # the ref's descriptors, merged in place
+                if written > ZERO and not same_allocations(tables, ref, prev_ref):
+                    state = FRESH  # no run passes into other allocations
                 first = (src[written], dst[written], width[written])
                 if ref_items[ref, STORE_MAY_MERGE if store else LOAD_MAY_MERGE] or (
                     written > ZERO
-                    and continues(
+                    and joined(
                         (src[written - ONE], dst[written - ONE], width[written - ONE]),
+                        state,
                         first,
                         cap,
                     )
+                    != FRESH
                 ):
-                    written = append_merged(flat, (written, end), flat, written, cap)
+                    written, state = append_merged(
+                        flat, (written, end), flat, written, cap, state
+                    )
                 else:  # none merges, nor the first into the last ref's last
-                    written = end
+                    written, state = end, SINGLE
+                prev_ref = ref
             else:
                 written = end
     totals[0] = num_bytes

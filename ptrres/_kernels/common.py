@@ -21,7 +21,10 @@ ROW_STRIDE = 1  # bytes between two blocks of that tensor
 PAGE_SIZE = 2  # bytes to copy per block (the ref's page_size_bytes)
 NUM_BLOCKS = 3  # blocks in the tensor: valid ids are 0 <= id < NUM_BLOCKS
 TENSOR_IDX = 4  # index of the tensor in CanonicalKVCaches.tensors
-REF_COLUMNS = 5
+# The allocation the tensor is a view of: equal for views of one storage,
+# and a run of merged descriptors never passes from one into another.
+ALLOCATION = 5
+REF_COLUMNS = 6
 
 # Columns of the offloaded side of each ref (same rows as the ref table), in
 # the order of the fields of _geometry.OffloadedGeometry.
@@ -29,7 +32,8 @@ OFF_BASE_PTR = 0  # data pointer of the offloaded tensor of the ref's tensor_idx
 OFF_ROW_STRIDE = 1  # bytes between two chunks (rows) of it
 OFF_SUB_BYTES = 2  # bytes of one sub-block: row bytes // blocks_per_chunk
 OFF_NUM_CHUNKS = 3  # chunks (rows) it holds
-OFF_COLUMNS = 4
+OFF_ALLOCATION = 4  # the allocation it is a view of (as ALLOCATION)
+OFF_COLUMNS = 5
 
 # Negative statuses a kernel returns instead of a count. Every kernel returns
 # int64 on every path, so that compiling lazily for the argument types infers
@@ -124,12 +128,14 @@ def rows_of(tables: Any, ref: Any) -> Any:
         ref_table[ref, PAGE_SIZE],
         ref_table[ref, NUM_BLOCKS],
         ref_table[ref, TENSOR_IDX],
+        ref_table[ref, ALLOCATION],
     )
     off_row = (
         offloaded_refs[ref, OFF_BASE_PTR],
         offloaded_refs[ref, OFF_ROW_STRIDE],
         offloaded_refs[ref, OFF_SUB_BYTES],
         offloaded_refs[ref, OFF_NUM_CHUNKS],
+        offloaded_refs[ref, OFF_ALLOCATION],
     )
     return ref_row, off_row
 

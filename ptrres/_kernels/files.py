@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._config import inline_helper, kernel
-from .coalesce import continues
+from .coalesce import FRESH, SINGLE, grown, joined
 from .common import (
     ONE,
     OVERLAPPING_BUFFERS,
@@ -72,6 +72,7 @@ def group_files(
     n_blocks: int,
     sizes: UIntArray,
     n_refs: int,
+    refs_from: Any,
     skip: int,
     bpc: np.uint64,
     block_major: bool,
@@ -88,8 +89,10 @@ def group_files(
     """Append the files of one group: one per chunk, ops ordered ref -> block.
 
     Files are written in order, each file's ops in order: with ``merge``, op
-    i + 1 is merged into op i when it continues it on both sides (within
-    max_run_bytes ``cap``), inside one file only.
+    i + 1 is merged into the run of op i when it continues it on both sides,
+    upwards or downwards (coalesce.joined, within max_run_bytes ``cap``),
+    inside one file only, and from one ref into the next only when their
+    ``allocations`` are equal or unknown (empty).
 
     Args:
         ptrs: device pointers; those of ref d of this group are
@@ -97,6 +100,7 @@ def group_files(
         sizes: the ops' sizes, as ptrs: every op of a ref has the ref's
             page, and ``bpc`` times the sum of the group's pages fits in
             int64 (both checked).
+        refs_from: (the allocation of each ref, the group's first ref in it).
         skip: slot of the group's first block in its first chunk.
 
     Returns:
@@ -107,7 +111,6 @@ def group_files(
         total += sizes[first_op + d * n_blocks]
     n_chunks = (np.uint64(n_blocks) + np.uint64(skip) + bpc - ONE) // bpc
     for chunk in range(n_chunks):
-        file_start = written
         files[FILE_START, n_files] = np.int64(written)
         files[FILE_GROUP, n_files] = group
         files[FILE_BYTES, n_files] = np.int64(bpc * total)
@@ -119,8 +122,10 @@ def group_files(
         _, first_slot = chunk_slot(first_k, np.uint64(skip), bpc)
         before = ZERO
         # The file's last op, kept in registers: read back from the outputs,
-        # each op's test would wait on the store before it.
+        # each op's test would wait on the store before it. Only ops of one
+        # file merge: its first starts a run.
         run = (ZERO, ZERO, ZERO)
+        state = FRESH
         for d in range(n_refs):
             ref_ops = np.uint64(first_op) + np.uint64(d) * np.uint64(n_blocks)
             page = sizes[ref_ops]
@@ -137,14 +142,24 @@ def group_files(
                     offset += step
                     written += ONE
             else:
+                # A run passes into this ref's ops only from the same
+                # allocation (when the caller knows the refs' allocations).
+                allocations, first_ref = refs_from
+                if allocations.size and d > 0:
+                    ref = first_ref + d
+                    if allocations[ref] != allocations[ref - 1]:
+                        state = FRESH
                 for k in range(first_k, end_k):
                     op = (ptrs[ref_ops + k], offset, page)
-                    # Only ops of this file merge: the first starts a run.
-                    if written > file_start and continues(run, op, cap):
-                        run = (run[0], run[1], run[2] + page)
+                    way = joined(run, state, op, cap)
+                    if way != FRESH:
+                        run = grown(run, way, op)
+                        dev_out[written - ONE] = run[0]
+                        off_out[written - ONE] = run[1]
                         size_out[written - ONE] = run[2]
+                        state = way
                     else:
-                        run = op
+                        run, state = op, SINGLE
                         dev_out[written], off_out[written], size_out[written] = op
                         written += ONE
                     offset += step
@@ -153,13 +168,14 @@ def group_files(
 
 
 @kernel(
-    "int64(uint64[::1], uint64[::1], int64[:, ::1], int64, boolean, boolean, int64,"
-    " uint64[::1], uint64[::1], uint64[::1], int64[:, ::1])"
+    "int64(uint64[::1], uint64[::1], int64[:, ::1], int64[::1], int64, boolean,"
+    " boolean, int64, uint64[::1], uint64[::1], uint64[::1], int64[:, ::1])"
 )
 def plan_file_ops_kernel(
     ptrs: UIntArray,
     sizes: UIntArray,
     groups: IntArray,
+    allocations: IntArray,
     blocks_per_chunk: int,
     block_major: bool,
     merge: bool,
@@ -175,10 +191,14 @@ def plan_file_ops_kernel(
         ptrs, sizes: DevicePointers' arrays, ordered group -> ref -> block.
         groups: (4, n) for the n non-empty groups: GROUP_IDX, GROUP_SIZE,
             GROUP_REFS and GROUP_SKIP (block index % blocks_per_chunk).
+        allocations: the allocation of the tensor of each ref of those
+            groups, in order (common.ALLOCATION), or empty when unknown: a
+            merged op then passes from one ref into the next wherever the
+            pointers continue.
         blocks_per_chunk: slots per file (>= 1).
         block_major: llm-d's layout if True, else PR #56076's ref-major one.
         merge: coalesce ops that continue each other on both sides, inside
-            one file only.
+            one file only (group_files).
         max_run_bytes: the largest merged op (>= 1), or NO_CAP.
         dev_out, off_out, size_out: the ops, at least as long as ``ptrs``.
         files: (3, n_files + 1), the rows FILE_START, FILE_GROUP and
@@ -224,14 +244,16 @@ def plan_file_ops_kernel(
     # Typed int64 from the start: a literal 0 would have group_files compiled
     # a second time, for Literal[int](0), while Numba infers the loop's types.
     written = ZERO
-    n_files = op = np.int64(0)
+    n_files = op = first_ref = np.int64(0)
     for g in range(n_groups):
         n_blocks, n_refs = groups[GROUP_SIZE, g], groups[GROUP_REFS, g]
         written, n_files = group_files(
-            ptrs, op, n_blocks, sizes, n_refs, groups[GROUP_SKIP, g], bpc,
-            block_major, merge, cap, groups[GROUP_IDX, g], dev_out, off_out,
-            size_out, written, files, n_files,
+            ptrs, op, n_blocks, sizes, n_refs, (allocations, first_ref),
+            groups[GROUP_SKIP, g], bpc, block_major, merge, cap,
+            groups[GROUP_IDX, g], dev_out, off_out, size_out, written, files,
+            n_files,
         )  # fmt: skip
         op += n_blocks * n_refs
+        first_ref += n_refs
     files[FILE_START, n_files] = np.int64(written)
     return np.int64(written)

@@ -13,11 +13,15 @@ import numpy as np
 
 from .._config import inline_helper, kernel
 from .coalesce import (
-    append_capped,
+    FRESH,
+    SINGLE,
+    append_merged,
     block_pointers,
-    continues,
     fill_runs,
     find_runs,
+    grown,
+    joined,
+    same_allocations,
     steps_of,
 )
 from .common import (
@@ -116,6 +120,7 @@ def plan_kernel(
     runs = scratch[2:]
     group_sizes, block_indices = groups[0], groups[1]
     written = ZERO
+    last = (np.int64(0), FRESH)  # the ref of the last descriptor, its run's state
     first_id = first_chunk = ZERO
     for group in range(group_sizes.shape[0]):
         n_blocks = np.uint64(group_sizes[group])
@@ -130,7 +135,9 @@ def plan_kernel(
         map_chunks(chunks, skip, bpc, blocks)
         refs = (group_ref_start[group], group_ref_start[group + 1])
         if merge:
-            written = fill_merged(out, written, tables, refs, blocks, runs, cap)
+            written, last = fill_merged(
+                out, written, tables, refs, blocks, runs, cap, last
+            )
         else:
             written = fill_blocks(out, written, tables, blocks, refs, ZERO)
     return np.int64(written)
@@ -228,7 +235,7 @@ def fill_blocks(
     costs Numba's reference counting of each, about 25 ns a ref.
 
     Args:
-        out, written, blocks: as coalesce.append_capped.
+        out, written, blocks: as append_pages.
         tables: (ref_table, offloaded_refs).
 
     Returns:
@@ -270,23 +277,26 @@ def fill_merged(
     blocks: Any,
     runs: Any,
     cap: np.uint64,
+    last: Any,
 ) -> Any:
     """Append a group's descriptors, ref by ref, merged as coalesce_kernel
-    would merge them.
+    would merge them, where a run never passes from one ref into another
+    unless both refs' tensors are views of the same allocations.
 
     Args:
         tables: (ref_table, offloaded_refs).
         refs: the group's rows of them, (first, one past the last).
         runs: room for find_runs.
-        out, written, blocks, cap: as coalesce.append_capped.
+        out, written, blocks, cap: as append_pages.
+        last: (the ref of the last descriptor written, its run's state).
 
     Returns:
-        The new number of descriptors.
+        (the new number of descriptors, the new ``last``).
     """
     # Refs of one group usually share their steps, and with them their runs:
     # find them once per group and steps.
     runs_of = (-1, -1, -1, -1)
-    n_runs = longest = ZERO
+    found = (ZERO, ZERO, SINGLE, SINGLE)
     ref, end = refs
     while ref < end:
         rows = rows_of(tables, ref)
@@ -296,24 +306,64 @@ def fill_merged(
             same = ref + 1
             while same < end and unmergeable(rows_of(tables, same)):
                 same += 1
-            written = fill_unmergeable(out, written, tables, blocks, (ref, same), cap)
+            written, last = fill_unmergeable(
+                out, written, tables, blocks, (ref, same), cap, last
+            )
             ref = same
             continue
         steps = steps_of(rows)
         if steps != runs_of:
             runs_of = steps
-            n_runs, longest = find_runs(blocks, steps, runs)
+            found = find_runs(blocks, steps, runs)
+        longest = found[1]
+        stopped = ref
         if page == ZERO or longest <= cap // page:
             # This ref and the next ones of the same steps, in one call.
             same = ref + 1
             while same < end and steps_of(rows_of(tables, same)) == steps:
                 same += 1
-            written = fill_runs(out, written, tables, (ref, same), runs, n_runs, cap)
-            ref = same
-        else:  # runs the cap splits
-            written = append_capped(out, written, blocks, rows, cap)
-            ref += 1
-    return written
+            written, stopped, last = fill_runs(
+                out, written, tables, (ref, same), runs, found, cap, last
+            )
+            ref = stopped
+            if stopped == same:
+                continue
+        # Runs the cap splits, or a first page that merges another way than
+        # the ref's own runs go: page by page.
+        written, last = append_pages(out, written, tables, blocks, ref, cap, last)
+        ref += 1
+    return written, last
+
+
+@inline_helper
+def append_pages(
+    out: Any,
+    written: np.uint64,
+    tables: Any,
+    blocks: Any,
+    ref: Any,
+    cap: np.uint64,
+    last: Any,
+) -> Any:
+    """Append one ref's pages as coalesce_kernel would merge them: written
+    one per block, then merged in place (coalesce.append_merged).
+
+    Args:
+        out: (device-side, offloaded-side, sizes) outputs; ``written`` of
+            them are filled.
+        blocks: as coalesce.block_pointers.
+        cap: max_run_bytes as uint64.
+        last: (the ref of the last descriptor written, its run's state).
+
+    Returns:
+        (the new number of descriptors, the new ``last``).
+    """
+    prev_ref, state = last
+    if written > ZERO and not same_allocations(tables, ref, prev_ref):
+        state = FRESH
+    end = fill_blocks(out, written, tables, blocks, (ref, ref + 1), ZERO)
+    written, state = append_merged(out, (written, end), out, written, cap, state)
+    return written, (ref, state)
 
 
 @inline_helper
@@ -328,38 +378,51 @@ def unmergeable(rows: Any) -> bool:
 
 @inline_helper
 def fill_unmergeable(
-    out: Any, written: np.uint64, tables: Any, blocks: Any, refs: Any, cap: Any
+    out: Any,
+    written: np.uint64,
+    tables: Any,
+    blocks: Any,
+    refs: Any,
+    cap: Any,
+    last: Any,
 ) -> Any:
     """Append the pages of unmergeable refs, one descriptor each, as
     coalesce_kernel would merge them: only a ref's first page may grow the
-    last descriptor.
+    last descriptor (either way, within one allocation on each side).
 
     Args:
-        out, written, blocks, cap: as coalesce.append_capped.
+        out, written, blocks, cap: as append_pages.
         tables: (ref_table, offloaded_refs).
         refs: (first, one past the last) of the refs.
+        last: (the ref of the last descriptor written, its run's state).
 
     Returns:
-        The new number of descriptors.
+        (the new number of descriptors, the new ``last``).
     """
     dev_out, off_out, sizes = out
     n_blocks = np.uint64(blocks[0].shape[0])
+    prev_ref, state = last
     # The last descriptor, kept in registers (as in coalesce.fill_runs).
-    last = (ZERO, ZERO, ZERO)
+    run = (ZERO, ZERO, ZERO)
     if written > ZERO:
-        last = (dev_out[written - ONE], off_out[written - ONE], sizes[written - ONE])
+        run = (dev_out[written - ONE], off_out[written - ONE], sizes[written - ONE])
     for ref in range(refs[0], refs[1]):
         rows = rows_of(tables, ref)
         page = np.uint64(rows[0][PAGE_SIZE])
         first_k = ZERO
-        if written > ZERO:
-            dev_ptr, off_ptr = block_pointers(rows, blocks, ZERO)
-            if continues(last, (dev_ptr, off_ptr, page), cap):
-                last = (last[0], last[1], last[2] + page)
-                sizes[written - ONE] = last[2]
+        if written > ZERO and same_allocations(tables, ref, prev_ref):
+            first = block_pointers(rows, blocks, ZERO)
+            way = joined(run, state, (first[0], first[1], page), cap)
+            if way != FRESH:
+                run = grown(run, way, (first[0], first[1], page))
+                dev_out[written - ONE], off_out[written - ONE] = run[0], run[1]
+                sizes[written - ONE] = run[2]
+                state = way
                 first_k = ONE
         written = fill_blocks(out, written, tables, blocks, (ref, ref + 1), first_k)
         if n_blocks > first_k:
             dev_ptr, off_ptr = block_pointers(rows, blocks, n_blocks - ONE)
-            last = (dev_ptr, off_ptr, page)
-    return written
+            run = (dev_ptr, off_ptr, page)
+            state = SINGLE
+        prev_ref = ref
+    return written, (prev_ref, state)

@@ -14,6 +14,7 @@ import numpy as np
 
 from .._errors import InputTypeError, SpecError
 from .._results import FilePlan
+from ._coalesce import merged_runs
 from ._input import as_descriptors
 from ._resolve import iter_pointer_groups
 
@@ -88,7 +89,9 @@ def plan_file_ops(
                     else:
                         offset = slot * total + before
                     ops.append((ptr, offset, page))
-            files.append(_merged(ops, cap) if coalesce else ops)
+            # Pointers alone do not say where allocations end: ops merge
+            # wherever both sides continue, inside one file.
+            files.append(merged_runs(ops, cap) if coalesce else ops)
             file_groups.append(info.group_idx)
             file_bytes.append(bpc * total)
 
@@ -103,20 +106,3 @@ def plan_file_ops(
         file_bytes=np.array(file_bytes, dtype=np.int64),
         num_bytes=int(sum(int(size) for size in sizes)),
     )
-
-
-def _merged(ops: list[tuple[int, int, int]], cap: int) -> list[tuple[int, int, int]]:
-    """Merge op i + 1 into op i when both its pointer and its offset continue."""
-    merged: list[tuple[int, int, int]] = []
-    for ptr, offset, size in ops:
-        if merged:
-            run_ptr, run_offset, run_size = merged[-1]
-            if (
-                run_ptr + run_size == ptr
-                and run_offset + run_size == offset
-                and run_size + size <= cap
-            ):
-                merged[-1] = (run_ptr, run_offset, run_size + size)
-                continue
-        merged.append((ptr, offset, size))
-    return merged
