@@ -15,18 +15,22 @@ agree).
 One module per capability, each importing nothing of ptrres but its errors
 and result types: _resolve (resolve_device_pointers, iter_pointer_groups),
 _plans (plan_transfer), _coalesce, _files (plan_file_ops), _canonical
-(plan_canonical_transfer, plan_strided_transfer), and _input, the input
-checks they share.
+(plan_canonical_transfer, plan_strided_transfer), _execute (execute,
+execute_descriptors: a plan applied to host memory, one memmove per
+descriptor, in order) and _input, the input checks they share.
 """
 
 from ._canonical import plan_canonical_transfer, plan_strided_transfer
 from ._coalesce import coalesce
+from ._execute import execute, execute_descriptors
 from ._files import plan_file_ops
 from ._plans import plan_transfer
 from ._resolve import iter_pointer_groups, resolve_device_pointers
 
 __all__ = [
     "coalesce",
+    "execute",
+    "execute_descriptors",
     "iter_pointer_groups",
     "plan_canonical_transfer",
     "plan_file_ops",
