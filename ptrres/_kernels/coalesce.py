@@ -6,9 +6,9 @@ sides); a run is one or the other, and a direction change ends it (SPEC 6).
 Merged, a run is one descriptor from its lowest address on each side.
 
 coalesce_kernel merges a finished plan, as append_merged does, which the
-canonical kernel also runs on each ref it fills; find_runs, fill_runs and
-append_capped let plan_kernel merge while it fills, with exactly
-coalesce_kernel's result.
+canonical kernel also runs on each ref it fills; find_runs and fill_runs let
+plan_kernel merge while it fills, with exactly coalesce_kernel's result (told
+where allocations change).
 
 Where the last descriptor written stands, kernels carry a run state: FRESH
 (nothing to continue: no descriptor yet, or the next lies in other
@@ -98,14 +98,6 @@ def grown(run: Descriptor, way: Any, descriptor: Descriptor) -> Descriptor:
     if way == DOWN:
         return descriptor[0], descriptor[1], run[2] + descriptor[2]
     return run[0], run[1], run[2] + descriptor[2]
-
-
-@inline_helper
-def continues(run: Descriptor, descriptor: Descriptor, max_run_bytes: Any) -> bool:
-    """Whether ``descriptor`` continues ``run`` upwards (joined(), for a run
-    that may still grow up: the first descriptor of a ref against the last
-    one before it, in the plain and file kernels' fast paths)."""
-    return bool(joined(run, SINGLE, descriptor, max_run_bytes) == UP)
 
 
 @inline_helper
