@@ -32,7 +32,10 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
-from . import _config
+# Every kernel registers itself in KERNELS when its module is imported:
+# importing the package registers them all (resolve, plan, coalesce,
+# canonical, files and copy_blocks), which `import ptrres` no longer does.
+from . import _config, _kernels  # noqa: F401
 from ._config import KERNELS
 
 try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -59,6 +60,21 @@ def exercise_every_kernel(id_dtype: type, dtype: torch.dtype = torch.int8) -> No
     for layout in (offloaded, canonical):
         table.plan_strided_transfer(spec, layout, np.array([2], id_dtype), store=True)
     table.plan_transfer(spec, canonical, [2], store=False, coalesce=True)
+    # vLLM's simple offload path: copy_blocks' descriptors, merged or not.
+    from ptrres._vllm_simple import CopyPlan, block_ids_array
+
+    params = SimpleNamespace(
+        src_bases=np.array([tensor.data_ptr()], np.uint64),
+        dst_bases=np.array([tensor.data_ptr()], np.uint64),
+        bpb=np.array([page], np.uint64),
+        attrs=ctypes.c_uint(0),
+        attrs_idx=ctypes.c_size_t(0),
+        fail_idx=ctypes.c_size_t(0),
+    )
+    for merge in (False, True):
+        plan = CopyPlan(params, {"0": tensor}, {"0": tensor}, coalesce=merge)
+        ids = block_ids_array(np.array([1, 7], id_dtype), "src", plan.src_limit)
+        plan.fill(ids, ids[::-1].copy())
 
 
 def test_warmup_reports_every_kernel_signature() -> None:
@@ -72,6 +88,8 @@ def test_warmup_reports_every_kernel_signature() -> None:
         "block_ids_from_pointers",
         "plan_file_ops_kernel",
         "canonical_plan_kernel",
+        "copy_blocks_kernel",
+        "copy_block_runs_kernel",
     }
     hows = {k.how for k in report.kernels}
     if JIT_DISABLED:

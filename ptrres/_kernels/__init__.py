@@ -9,8 +9,9 @@ anything is written). What a failed call wrote is never returned: the wrapper
 zeroes it. Scratch space, too, is allocated by the wrapper and passed in.
 
 One module per family: common (columns, statuses, shared helpers), resolve,
-plan, coalesce, canonical (canonical and strided plans, SPEC 10) and files
-(the file tier, SPEC 11). The wrappers call the kernels through this package
+plan, coalesce, canonical (canonical and strided plans, SPEC 10), files
+(the file tier, SPEC 11) and copy_blocks (vLLM's simple CPU offload path,
+SPEC 12). The wrappers call the kernels through this package
 (as ``_kernels.resolve_kernel``), so that a benchmark may swap one in.
 
 Numba's on-disk cache of a kernel is invalidated by a change to the kernel's
@@ -29,6 +30,12 @@ from .common import (
     OVERLAPPING_BUFFERS,
     REF_COLUMNS,
 )
+from .copy_blocks import (
+    COPY_COLUMNS,
+    SHORT_OUTPUTS,
+    copy_block_runs_kernel,
+    copy_blocks_kernel,
+)
 from .files import BAD_OP_SIZE, FILE_TOO_LARGE, plan_file_ops_kernel
 from .plan import plan_kernel
 from .resolve import block_ids_from_pointers, resolve_kernel
@@ -37,14 +44,18 @@ __all__ = [
     "BAD_BLOCK_ID",
     "BAD_OFFLOADED_ID",
     "BAD_OP_SIZE",
+    "COPY_COLUMNS",
     "FILE_TOO_LARGE",
     "NO_CAP",
     "OFF_COLUMNS",
     "OVERLAPPING_BUFFERS",
     "REF_COLUMNS",
+    "SHORT_OUTPUTS",
     "block_ids_from_pointers",
     "canonical_plan_kernel",
     "coalesce_kernel",
+    "copy_block_runs_kernel",
+    "copy_blocks_kernel",
     "plan_file_ops_kernel",
     "plan_kernel",
     "resolve_kernel",
