@@ -9,6 +9,10 @@ planners with plain arrays; the planners never import the facade.
 from __future__ import annotations
 
 import ast
+import importlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -273,3 +277,41 @@ def test_a_name_from_the_importers_own_package_is_an_edge(tmp_path: Path) -> Non
     graph = import_graph(paths, package)
     assert graph["pkg.cli"] == {"pkg", "pkg.util"}
     assert cycles(graph) == [["pkg", "pkg.cli", "pkg"]]
+
+
+def test_the_public_names_are_imported_on_first_use() -> None:
+    """ptrres/__init__.py imports nothing (PEP 562): each name of __all__
+    comes from the module its TYPE_CHECKING import names, on first use."""
+    import ptrres
+
+    init = PACKAGE / "__init__.py"
+    typed = {
+        name: base.rpartition(".")[2]
+        for base, name in imported_names(init.read_text(), ROOT, package=True)
+        if name is not None and base.startswith(f"{ROOT}._")
+    }
+    assert typed == ptrres._MODULE_OF
+    assert sorted(typed) == sorted(ptrres.__all__)
+    for name, module in typed.items():
+        home = importlib.import_module(f"{ROOT}.{module}")
+        assert getattr(ptrres, name) is getattr(home, name), name
+    assert set(ptrres.__all__) <= set(dir(ptrres))
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        ptrres.no_such_name  # noqa: B018
+
+
+def test_importing_ptrres_imports_none_of_it() -> None:
+    """Neither numba nor numpy nor any of ptrres's modules, in a fresh
+    interpreter; the first public name used imports its module."""
+    code = (
+        "import sys, ptrres\n"
+        "heavy = [m for m in ('numba', 'numpy', 'ptrres._kernels', 'ptrres._table') "
+        "if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "ptrres.BlockIdError\n"
+        "assert 'numba' not in sys.modules\n"
+        "ptrres.PointerTable\n"
+        "assert 'numba' in sys.modules\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
