@@ -1,8 +1,10 @@
 """Which vLLM releases ``ptrres.vllm`` patches, and whether the installed
-vLLM's handler is the one those releases have: every name and signature the
-patched handler relies on, checked before anything is replaced.
+vLLM's handler and simple offload path (``cuda_mem_ops``) are the ones those
+releases have: every name and signature the patches rely on, checked before
+anything is replaced.
 
-Importing this module does not import vLLM: only find_handler() does.
+Importing this module does not import vLLM: only find_handler() and
+find_simple_path() do.
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ SUPPORTED_VERSION = re.compile(
 WORKER_MODULE = "vllm.v1.kv_offload.cpu.gpu_worker"
 POINTER_UTILS_MODULE = "vllm.v1.kv_offload.pointer_utils"
 HANDLER_CLASS = "SingleDirectionOffloadingHandler"
+# vLLM's second CPU offloading path (SimpleCPUOffloadConnector): the module
+# that builds and submits its descriptors, and the backends that import its
+# build_params and copy_blocks by name. The three files are byte-identical in
+# 0.30.0 to 0.33.0.
+SIMPLE_MODULE = "vllm.v1.simple_kv_offload.cuda_mem_ops"
+SIMPLE_BACKEND_MODULES = (
+    "vllm.v1.simple_kv_offload.copy_backend",
+    "vllm.v1.simple_kv_offload.disk_backend",
+)
+# The modules whose import by vLLM means this process may offload: register()
+# patches when vLLM first imports one of them (cuda_mem_ops alone does not
+# count: vLLM also imports it for pin_tensor).
+PATCH_TRIGGERS = (WORKER_MODULE, *SIMPLE_BACKEND_MODULES)
 
 
 # vLLM names whose signatures the patched transfer_async relies on, the same
@@ -68,6 +83,27 @@ _HANDLER_SIGNATURES: dict[str, list[str]] = {
     "get_finished": ["self"],
 }
 _WORKER_NAMES = ("_new_descriptor_buffers", "Transfer", "current_platform", "torch")
+
+# cuda_mem_ops's functions the patched path replaces or calls, with their
+# parameters in every tested release, and the fields of the params it reads.
+_SIMPLE_SIGNATURES: dict[str, list[str]] = {
+    "build_params": ["src_caches", "dst_caches", "stream", "src_access_order"],
+    "copy_blocks": ["src_block_ids", "dst_block_ids", "params"],
+    "_resolve_max_batch_descriptors": [],
+}
+SIMPLE_PARAMS_FIELDS = (
+    "src_bases",
+    "dst_bases",
+    "bpb",
+    "num_layers",
+    "attrs",
+    "attrs_idx",
+    "num_attrs",
+    "fail_idx",
+    "stream_handle",
+)
+# What the backends import from cuda_mem_ops by name.
+SIMPLE_IMPORTED_NAMES = ("build_params", "copy_blocks")
 
 
 def find_handler() -> tuple[ModuleType, type] | str:
@@ -103,6 +139,36 @@ def find_handler() -> tuple[ModuleType, type] | str:
         if not hasattr(worker, name):
             return f"{WORKER_MODULE}.{name} is missing"
     return worker, handler
+
+
+def find_simple_path() -> tuple[ModuleType, tuple[ModuleType, ...]] | str:
+    """vLLM's cuda_mem_ops and the backends that import from it, or why they
+    cannot be patched (a module, name, signature or params field not the
+    tested releases'). Call it after find_handler(): it checks no version."""
+    modules = []
+    for name in (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError as error:
+            return f"{name} cannot be imported ({error})"
+    mem_ops, *backends = modules
+    for name, expected in _SIMPLE_SIGNATURES.items():
+        refusal = signature_refusal(mem_ops, name, expected)
+        if refusal is not None:
+            return refusal
+    if not hasattr(mem_ops, "_batch_memcpy"):
+        return f"{SIMPLE_MODULE}._batch_memcpy is missing"
+    fields = getattr(getattr(mem_ops, "BatchMemcpyParams", None), "_fields", None)
+    if fields != SIMPLE_PARAMS_FIELDS:
+        return (
+            f"{SIMPLE_MODULE}.BatchMemcpyParams has the fields {fields}, "
+            f"not {SIMPLE_PARAMS_FIELDS}"
+        )
+    for backend in backends:
+        for name in SIMPLE_IMPORTED_NAMES:
+            if getattr(backend, name, None) is not getattr(mem_ops, name):
+                return f"{backend.__name__}.{name} is not {SIMPLE_MODULE}.{name}"
+    return mem_ops, tuple(backends)
 
 
 def _parameters(function: Any) -> list[tuple[str, Any]]:

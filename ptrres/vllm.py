@@ -1,33 +1,43 @@
-"""ptrres inside vLLM's CPU offloading worker (0.30 to 0.33): a general plugin.
+"""ptrres inside vLLM's CPU offloading workers (0.30 to 0.33): a general plugin.
 
-vLLM builds its copy descriptors in ``SingleDirectionOffloadingHandler``
-(``vllm/v1/kv_offload/cpu/gpu_worker.py``): a numpy pass per group, ref and
-side, unchecked. ``patch()`` replaces that handler's ``transfer_async`` with one
-that builds the whole descriptor list with one ptrres plan, written straight
-into vLLM's own pooled pinned buffers, checking every id before anything is
-submitted. It also wraps the handler's ``__init__``: once vLLM's own has run,
-every ptrres kernel is made ready (``ptrres.warmup()``: loaded from Numba's
-cache, or compiled) and the handler's PointerTable and OffloadedLayout are
-built, so that no transfer compiles or loads anything. Where the installed
-vLLM has ``vllm.v1.kv_offload.pointer_utils``, its ``resolve_device_pointers``
-and ``iter_pointer_groups`` become ptrres's.
+vLLM has two CPU offloading paths, and ``patch()`` takes both:
+
+- ``OffloadingConnector``'s ``SingleDirectionOffloadingHandler``
+  (``vllm/v1/kv_offload/cpu/gpu_worker.py``) builds its copy descriptors with
+  a numpy pass per group, ref and side, unchecked. Its ``transfer_async``
+  becomes one that builds the whole descriptor list with one ptrres plan,
+  written straight into vLLM's own pooled pinned buffers, checking every id
+  before anything is submitted. Its ``__init__`` is wrapped: once vLLM's own
+  has run, every ptrres kernel is made ready (``ptrres.warmup()``: loaded from
+  Numba's cache, or compiled) and the handler's PointerTable and
+  OffloadedLayout are built, so that no transfer compiles or loads anything.
+- ``SimpleCPUOffloadConnector`` (``vllm/v1/simple_kv_offload/``) submits its
+  copies through ``cuda_mem_ops.copy_blocks``: its ``build_params`` and
+  ``copy_blocks`` become ptrres's (``ptrres._vllm_simple``), everywhere vLLM
+  looks them up, so that every id is checked and the descriptors are built
+  by one kernel into reused buffers.
+
+Where the installed vLLM has ``vllm.v1.kv_offload.pointer_utils``, its
+``resolve_device_pointers`` and ``iter_pointer_groups`` become ptrres's.
 
 vLLM calls ``register()`` in every process (API server, engine core, workers)
 through the entry point ``ptrres = "ptrres.vllm:register"``; ``PTRRES_VLLM=0``
-turns it off. Only processes that build a handler (the workers, when the KV
-caches are registered) pay for the warmup. Importing this module does not
-import vLLM: only ``patch()`` does, and ``import ptrres`` never imports this
-module.
+turns it off. ``register()`` costs next to nothing: it imports no vLLM module,
+no numba and no kernel. It patches at once where vLLM's offloading modules
+are already imported, else right after vLLM itself first imports one; the
+kernels are made ready when the first handler or the first params are built.
+Importing this module imports neither vLLM nor numba, and ``import ptrres``
+never imports this module.
 
-Which releases are tested, and the check that the installed vLLM's handler
-is theirs, are in ``ptrres._vllm_release``; a handler's ptrres state is a
-``ptrres._vllm_handler.HandlerPlan``. This module uses only ptrres's public
-API.
+Which releases are tested, and the check that the installed vLLM's modules
+are theirs, are in ``ptrres._vllm_release``; a handler's ptrres state is a
+``ptrres._vllm_handler.HandlerPlan``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import logging
 import os
 import sys
@@ -35,28 +45,25 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from . import (
-    CanonicalKVCaches,
-    CanonicalKVCacheTensor,
-    OffloadedLayout,
-    PointerTable,
-    WarmupReport,
-    iter_pointer_groups,
-    resolve_device_pointers,
-    warmup,
-)
-from ._vllm_handler import HandlerPlan, max_copy_ops, rehearse
 from ._vllm_release import (
+    PATCH_TRIGGERS,
     POINTER_UTILS_MODULE,
     SUPPORTED_VLLM,
     WORKER_MODULE,
     find_handler,
+    find_simple_path,
     optional_module,
     parameter_names,
     signature_refusal,
 )
+
+if TYPE_CHECKING:
+    from ._vllm_handler import HandlerPlan
+    from ._warmup import WarmupReport
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -134,16 +141,19 @@ def is_patched() -> bool:
 
 
 def patch() -> list[str]:
-    """Make vLLM's CPU offloading worker build its descriptors with ptrres.
+    """Make vLLM's CPU offloading workers build their descriptors with ptrres.
 
     Replaces ``SingleDirectionOffloadingHandler.__init__`` (vLLM's, then
-    ``ptrres.warmup()`` and the handler's ptrres plan) and ``transfer_async``
-    and, where the installed vLLM has ``pointer_utils``, its
+    ``ptrres.warmup()`` and the handler's ptrres plan) and ``transfer_async``;
+    the simple offload path's ``build_params`` and ``copy_blocks``, in
+    ``cuda_mem_ops`` and in the two backends that import them by name; and,
+    where the installed vLLM has ``pointer_utils``, its
     ``resolve_device_pointers`` and ``iter_pointer_groups``. Everything is
     replaced, or nothing: on a vLLM release not in SUPPORTED_VLLM, or where an
     attribute is missing or has another signature than that release's, vLLM is
     left as it was and a VllmPatchWarning is issued (once per reason). Calling
-    it again once patched changes nothing.
+    it again once patched changes nothing. It imports vLLM's offloading
+    modules, but no kernel (and not numba).
 
     Returns:
         The qualified names of the attributes now replaced (empty when vLLM was
@@ -151,6 +161,7 @@ def patch() -> list[str]:
     """
     global _applied, _vllm_transfer_async
     with _lock:
+        _PatchOnImport.remove()
         if _applied is not None:
             return [r.qualified_name for r in _applied]
         replacements, refusal = _plan_replacements()
@@ -173,13 +184,15 @@ def patch() -> list[str]:
 
 
 def unpatch() -> None:
-    """Restore vLLM's own attributes (the very objects patch() replaced).
+    """Restore vLLM's own attributes (the very objects patch() replaced), and
+    cancel a patch that register() left for vLLM's first import.
 
-    Handlers keep the ptrres state they built, but ignore it once unpatched;
-    handlers built from then on are vLLM's alone.
+    Handlers and params keep the ptrres state they built, but ignore it once
+    unpatched; those built from then on are vLLM's alone.
     """
     global _applied
     with _lock:
+        _PatchOnImport.remove()
         if _applied is None:
             return
         for r in reversed(_applied):
@@ -190,9 +203,13 @@ def unpatch() -> None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: patch() unless PTRRES_VLLM=0.
 
-    vLLM calls it in every process, possibly many times: it patches once, logs
-    one INFO line naming what it patched, and never raises. It compiles
-    nothing: only a process that builds a handler pays for the kernels.
+    vLLM calls it in every process, possibly many times, many of which never
+    offload (the API server): it imports no vLLM module and compiles
+    nothing. Where vLLM's offloading modules (PATCH_TRIGGERS) are imported
+    already it patches at once, else right after vLLM first imports one of
+    them. It patches once, logs one INFO line naming what it patched, and
+    never raises; the kernels are made ready when the first handler or the
+    first params are built.
     """
     try:
         if os.environ.get("PTRRES_VLLM", "1").strip().lower() in _OFF_VALUES:
@@ -200,18 +217,108 @@ def register() -> None:
             return
         if is_patched():
             return
-        patched = patch()
-        if patched:
-            _reporter().info(
-                "ptrres %s builds vLLM %s's KV offload descriptors: patched %s%s; "
-                "kernels are made ready when the handlers are built",
-                _ptrres_version(),
-                getattr(sys.modules.get("vllm"), "__version__", "?"),
-                ", ".join(patched),
-                " (coalescing on)" if _coalesce_requested() else "",
-            )
+        if any(name in sys.modules for name in PATCH_TRIGGERS):
+            _patch_and_report()
+        else:
+            _PatchOnImport.install()
     except Exception:  # a plugin must never take vLLM down
         logger.warning("ptrres: could not patch vLLM; it runs unchanged", exc_info=True)
+
+
+def _patch_and_report() -> None:
+    """patch(), and its INFO line."""
+    patched = patch()
+    if patched:
+        _reporter().info(
+            "ptrres %s builds vLLM %s's KV offload descriptors: patched %s%s; "
+            "kernels are made ready when the handlers and params are built",
+            _ptrres_version(),
+            getattr(sys.modules.get("vllm"), "__version__", "?"),
+            ", ".join(patched),
+            " (coalescing on)" if _coalesce_requested() else "",
+        )
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches vLLM right after vLLM first imports a module of PATCH_TRIGGERS.
+
+    An entry of ``sys.meta_path`` that finds nothing itself: it asks the
+    finders after it for a trigger's spec, and wraps the spec's loader
+    (_ThenPatch) so that patch() runs once the module has. patch() takes it
+    out of ``sys.meta_path``, and so does unpatch().
+    """
+
+    installed: ClassVar[_PatchOnImport | None] = None
+    # Triggers whose module is running now, in any thread: patch() waits for
+    # the last, since it would find the others half-built.
+    running: ClassVar[set[str]] = set()
+
+    @classmethod
+    def install(cls) -> None:
+        with _lock:
+            if cls.installed is None:
+                cls.installed = cls()
+                sys.meta_path.insert(0, cls.installed)
+
+    @classmethod
+    def remove(cls) -> None:
+        with _lock:
+            finder, cls.installed = cls.installed, None
+            if finder is not None and finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname not in PATCH_TRIGGERS:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec: ModuleSpec | None = find(fullname, path, target)
+            if spec is not None:
+                if hasattr(spec.loader, "exec_module"):
+                    spec.loader = _ThenPatch(spec.loader)
+                return spec
+        return None
+
+
+class _ThenPatch(importlib.abc.Loader):
+    """A trigger's loader: the module runs as its own loader runs it, then
+    patch() does (once no other trigger is running)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        module: ModuleType | None = self.loader.create_module(spec)
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The module keeps its own loader, as if nothing had come between.
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        name = module.__name__
+        _PatchOnImport.running.add(name)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            _PatchOnImport.running.discard(name)
+        if _PatchOnImport.installed is not None and not _PatchOnImport.running:
+            try:
+                _patch_and_report()
+            except Exception:  # a plugin must never take vLLM's import down
+                logger.warning(
+                    "ptrres: could not patch vLLM; it runs unchanged", exc_info=True
+                )
+
+    def __getattr__(self, name: str) -> Any:
+        """What else the import system asks of the loader, its own answers."""
+        if name == "loader":  # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
 
 def _reporter() -> logging.Logger:
@@ -256,6 +363,8 @@ def _plan_replacements() -> tuple[list[_Replacement], str | None]:
     ]
     pointer_utils = optional_module(POINTER_UTILS_MODULE)
     if pointer_utils is not None:
+        from ._pointer_utils import iter_pointer_groups, resolve_device_pointers
+
         for ours in (resolve_device_pointers, iter_pointer_groups):
             name = ours.__name__
             refusal = signature_refusal(pointer_utils, name, parameter_names(ours))
@@ -266,7 +375,49 @@ def _plan_replacements() -> tuple[list[_Replacement], str | None]:
             # The worker may have imported it by name (`from ... import`).
             if getattr(worker, name, None) is original:
                 replacements.append(_Replacement(worker, name, original, ours))
+    simple = find_simple_path()
+    if isinstance(simple, str):
+        return [], simple
+    replacements += _simple_replacements(*simple)
     return replacements, None
+
+
+def _simple_replacements(
+    mem_ops: ModuleType, backends: tuple[ModuleType, ...]
+) -> list[_Replacement]:
+    """build_params and copy_blocks of the simple offload path: in cuda_mem_ops,
+    and in the backends, which imported them by name."""
+    from . import _vllm_simple
+
+    vllm_build_params, vllm_copy_blocks = mem_ops.build_params, mem_ops.copy_blocks
+    build_params, copy_blocks = _vllm_simple.patched_functions(
+        _vllm_simple.SimplePatch(
+            mem_ops=mem_ops,
+            vllm_build_params=vllm_build_params,
+            vllm_copy_blocks=vllm_copy_blocks,
+            active=is_patched,
+            prepare=_warm_up_kernels,
+            coalesce=_coalesce_requested,
+            decline=_decline_params,
+        )
+    )
+    return [
+        _Replacement(owner, name, original, ours)
+        for name, original, ours in (
+            ("build_params", vllm_build_params, build_params),
+            ("copy_blocks", vllm_copy_blocks, copy_blocks),
+        )
+        for owner in (mem_ops, *backends)
+    ]
+
+
+def _decline_params(error: BaseException) -> None:
+    """Say why copy_blocks params keep vLLM's own copies."""
+    _reporter().warning(
+        "ptrres: these copy_blocks params keep vLLM's own copies: %s",
+        error,
+        exc_info=not isinstance(error, (AttributeError, ValueError, TypeError)),
+    )
 
 
 # --- the patched handler -----------------------------------------------------
@@ -305,6 +456,8 @@ def _attach_plan(handler: Any, *, warm_up: bool = False) -> HandlerPlan | None:
             _warm_up_kernels()
         built = _handler_plan(handler)
         if warm_up:
+            from ._vllm_handler import rehearse
+
             rehearse(handler, built)
         plan: HandlerPlan | str = built
     except Exception as error:
@@ -316,16 +469,24 @@ def _attach_plan(handler: Any, *, warm_up: bool = False) -> HandlerPlan | None:
         )
         plan = _DECLINED
     setattr(handler, _STATE_ATTRIBUTE, plan)
-    return plan if isinstance(plan, HandlerPlan) else None
+    return None if isinstance(plan, str) else plan
+
+
+def warmup(*, processes: int | None = None) -> WarmupReport:
+    """ptrres.warmup(), imported when first called: until a handler or params
+    are built, the plugin imports no kernel (nor numba)."""
+    from ._warmup import warmup as make_ready
+
+    return make_ready(processes=processes)
 
 
 def _warm_up_kernels() -> None:
     """ptrres.warmup(), logged at INFO the first time in this process.
 
     Every kernel is loaded from Numba's cache or compiled here, where vLLM
-    builds its handlers (at engine start-up), so that no transfer, in an
-    engine step on every tensor-parallel rank, waits for one. Later calls
-    cost next to nothing.
+    builds its handlers and its simple path's params (at engine start-up), so
+    that no transfer, in an engine step on every tensor-parallel rank, waits
+    for one. Later calls cost next to nothing.
     """
     global _warmup_logged
     report = warmup()
@@ -358,6 +519,14 @@ def _handler_plan(handler: Any) -> HandlerPlan:
     which the table reads, so plan_transfer() gives vLLM's
     ``_fill_canonical_ops`` descriptors (writer rotation included).
     """
+    from . import (
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        OffloadedLayout,
+        PointerTable,
+    )
+    from ._vllm_handler import HandlerPlan
+
     if handler.gpu_to_cpu:
         device_tensors, cpu_tensors = handler.src_tensors, handler.dst_tensors
         blocks_per_chunk = handler.dst_blocks_per_chunk
@@ -394,8 +563,10 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     # A handler built before patch() gets its plan now (its kernels compile
     # on first use); one built by the patched __init__ has it already.
     plan = _attach_plan(self) if state is None else state
-    if _applied is None or not isinstance(plan, HandlerPlan):
+    if _applied is None or plan is None or isinstance(plan, str):
         return bool(_vllm_transfer_async(self, job_id, src_spec, dst_spec))
+    from ._vllm_handler import max_copy_ops
+
     worker = sys.modules[WORKER_MODULE]
     if self.gpu_to_cpu:
         gpu_spec, offloaded_ids = src_spec, dst_spec.block_ids

@@ -38,6 +38,12 @@ def _unpatched() -> Iterator[None]:
 HANDLER_PATCHES = [
     "SingleDirectionOffloadingHandler.__init__",
     "SingleDirectionOffloadingHandler.transfer_async",
+    # The simple offload path's (tests/vllm/test_vllm_simple.py).
+    *(
+        f"vllm.v1.simple_kv_offload.{module}.{name}"
+        for name in ("build_params", "copy_blocks")
+        for module in ("cuda_mem_ops", "copy_backend", "disk_backend")
+    ),
 ]
 
 

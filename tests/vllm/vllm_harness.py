@@ -1,9 +1,14 @@
-"""vLLM's own offloading handler (0.30 to 0.33), on CPU tensors with stubbed streams.
+"""vLLM's own offloading code (0.30 to 0.33), on CPU tensors with stubbed streams.
 
 The handler is built through its real ``__init__``: its GPU tensors are CPU
 tensors of a subclass that reports ``is_cuda``, streams and events are stubs,
 and what it submits to ``swap_blocks_batch`` is captured (or executed as
 memmoves over the descriptors).
+
+The simple offload path (``vllm/v1/simple_kv_offload``) runs its own
+``build_params``, ``copy_blocks`` and backends: the driver function
+(``cuda_mem_ops._batch_memcpy``, SPEC 12) is a BatchDriver, which reads back
+the three arrays it is handed (and may execute them as memmoves).
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 
+# The simple offload path (modules, untyped: their tests hand them stand-ins).
+cuda_mem_ops = pytest.importorskip("vllm.v1.simple_kv_offload.cuda_mem_ops")
+copy_backend = pytest.importorskip("vllm.v1.simple_kv_offload.copy_backend")
+disk_backend = pytest.importorskip("vllm.v1.simple_kv_offload.disk_backend")
+
 
 class FakeCudaTensor(torch.Tensor):
     """A CPU tensor that says it is on CUDA (sharing the CPU tensor's storage)."""
@@ -44,6 +54,8 @@ def fake_cuda(tensor: Any) -> Any:
 
 
 class FakeStream:
+    cuda_stream = 0x5EED  # what build_params keeps as the stream handle
+
     def wait_stream(self, stream: Any) -> None:
         pass
 
@@ -69,12 +81,15 @@ class FakeEvent:
 
 
 class FakePlatform:
-    """The few calls the handler makes on vLLM's current_platform."""
+    """The few calls the handler and the backends make on current_platform."""
 
     Stream = FakeStream
 
     def __init__(self, xpu: bool = False) -> None:
         self.xpu = xpu
+
+    def set_device(self, device: Any) -> None:
+        pass
 
     def current_stream(self) -> FakeStream:
         return FakeStream()
@@ -239,3 +254,87 @@ def specs(
     gpu.block_ids = gpu.block_ids.astype(dtype)
     cpu.block_ids = cpu.block_ids.astype(dtype)
     return (gpu, cpu) if gpu_to_cpu else (cpu, gpu)
+
+
+# --- the simple offload path (SimpleCPUOffloadConnector) ----------------------
+
+
+@dataclass(frozen=True)
+class DriverCall:
+    """One call of the batch-memcpy driver: the three arrays, read back from
+    the addresses it was handed, and its other arguments."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+    # (attrs address, numAttrs, stream handle): what else identifies a call.
+    others: tuple[int, int, int]
+
+
+@dataclass
+class BatchDriver:
+    """Stands in for cuMemcpyBatchAsync, as ``cuda_mem_ops._batch_memcpy =
+    (driver, 1)``: records what each call describes, executes it as memmoves
+    with ``memmove``, and returns ``status`` (0: success)."""
+
+    memmove: bool = False
+    status: int = 0
+    calls: list[DriverCall] = field(default_factory=list)
+
+    def __call__(
+        self,
+        dsts: int,
+        srcs: int,
+        sizes: int,
+        count: int,
+        attrs: int,
+        attr_idxs: Any,
+        num_attrs: int,
+        fail_idx: Any,
+        stream: int,
+    ) -> int:
+        def read(address: int) -> np.ndarray:
+            entries = (ctypes.c_uint64 * count).from_address(address)
+            return np.frombuffer(bytes(entries), np.uint64)
+
+        call = DriverCall(
+            read(srcs), read(dsts), read(sizes), (attrs, num_attrs, stream)
+        )
+        self.calls.append(call)
+        if self.memmove:
+            for s, d, n in zip(call.src, call.dst, call.sizes):
+                ctypes.memmove(int(d), int(s), int(n))
+        return self.status
+
+
+@contextlib.contextmanager
+def stubbed_simple(
+    driver: Callable[..., int] | None = None, *, max_batch: int = 0
+) -> Iterator[Any]:
+    """The driver function stood in for by ``driver`` (a new BatchDriver by
+    default), ``max_batch`` descriptors per call (0: one call), platform,
+    events and pinning stubbed; yields the driver."""
+    driver = BatchDriver() if driver is None else driver
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cuda_mem_ops, "_batch_memcpy", (driver, 1))
+        mp.setattr(cuda_mem_ops, "_max_batch_descriptors", max_batch)
+        for backend in (copy_backend, disk_backend):
+            mp.setattr(backend, "current_platform", FakePlatform())
+        mp.setattr(disk_backend, "pin_tensor", lambda tensor: None)
+        mp.setattr(torch, "Event", FakeEvent)
+        yield driver
+
+
+def simple_caches(
+    num_blocks: int, block_bytes: Sequence[int], seed: int = 0
+) -> dict[str, Any]:
+    """One int8 (num_blocks, bpb) tensor per layer, named as vLLM's worker
+    names its regions (the same names on both sides of a copy), filled with
+    bytes that differ from block to block (and with ``seed``)."""
+    caches = {}
+    for layer, bpb in enumerate(block_bytes):
+        values = torch.arange(num_blocks * bpb, dtype=torch.int64) * 7 + layer * 131
+        caches[f"layer.{layer}"] = (
+            ((values + seed * 37) % 251 - 125).to(torch.int8).view(num_blocks, bpb)
+        )
+    return caches
