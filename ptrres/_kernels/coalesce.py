@@ -101,6 +101,23 @@ def grown(run: Descriptor, way: Any, descriptor: Descriptor) -> Descriptor:
 
 
 @inline_helper
+def ascends(run: Descriptor, descriptor: Descriptor, cap: Any) -> bool:
+    """Whether ``descriptor`` grows ``run`` upwards within ``cap``: joined()
+    for a run that may grow up, where nothing can descend (a ref's file ops,
+    whose offsets only grow)."""
+    run_a, run_b, run_size = run
+    a, b, size = descriptor
+    return bool(
+        (a >= run_a)
+        & (b >= run_b)
+        & (a - lesser(a, run_a) == run_size)
+        & (b - lesser(b, run_b) == run_size)
+        & (run_size <= cap)
+        & (size <= cap - lesser(run_size, cap))
+    )
+
+
+@inline_helper
 def same_allocations(tables: Any, ref: Any, other: Any) -> bool:
     """Whether two refs' tensors are views of one allocation on each side: a
     run may pass from one ref's descriptors into the other's only then."""

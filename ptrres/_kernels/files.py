@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._config import inline_helper, kernel
-from .coalesce import FRESH, SINGLE, grown, joined
+from .coalesce import DOWN, FRESH, SINGLE, UP, ascends, grown, joined
 from .common import (
     ONE,
     OVERLAPPING_BUFFERS,
@@ -149,8 +149,10 @@ def group_files(
                     ref = first_ref + d
                     if allocations[ref] != allocations[ref - 1]:
                         state = FRESH
-                for k in range(first_k, end_k):
-                    op = (ptrs[ref_ops + k], offset, page)
+                # The ref's first op may grow the run either way.
+                rest = first_k  # the ref's ops after its first
+                if rest < end_k:
+                    op = (ptrs[ref_ops + rest], offset, page)
                     way = joined(run, state, op, cap)
                     if way != FRESH:
                         run = grown(run, way, op)
@@ -158,6 +160,22 @@ def group_files(
                         off_out[written - ONE] = run[1]
                         size_out[written - ONE] = run[2]
                         state = way
+                    else:
+                        run, state = op, SINGLE
+                        dev_out[written], off_out[written], size_out[written] = op
+                        written += ONE
+                    offset += step
+                    rest += ONE
+                # A ref's file offsets only grow: its other ops go on a run
+                # only upwards, and a descending run ends here.
+                if state == DOWN:
+                    state = FRESH
+                for k in range(rest, end_k):
+                    op = (ptrs[ref_ops + k], offset, page)
+                    if (state != FRESH) & ascends(run, op, cap):
+                        run = (run[0], run[1], run[2] + page)
+                        size_out[written - ONE] = run[2]
+                        state = UP
                     else:
                         run, state = op, SINGLE
                         dev_out[written], off_out[written], size_out[written] = op
