@@ -429,7 +429,7 @@ def run_trace(
         "preemptions": 0,
         "prompt_tokens": 0,
         "output_tokens": 0,
-        "gpu_prefix_hit_tokens": 0,
+        "cached_tokens_at_first_schedule": 0,
         "flushed_store_jobs": 0,
     }
 
@@ -480,8 +480,10 @@ def run_trace(
         meta = out.kv_connector_metadata
         assert isinstance(meta, OffloadingConnectorMetadata)
         counts["preemptions"] += len(out.preempted_req_ids or ())
+        # Prompt tokens found cached when first scheduled: GPU prefix hits
+        # and tokens loaded from CPU.
         for new_req in out.scheduled_new_reqs:
-            counts["gpu_prefix_hit_tokens"] += new_req.num_computed_tokens
+            counts["cached_tokens_at_first_schedule"] += new_req.num_computed_tokens
         # The worker: flushed stores now, then last step's deferred stores
         # (handle_preemptions), this step's loads (start_kv_transfers); this
         # step's other stores wait for the next step (prepare_store_kv).
