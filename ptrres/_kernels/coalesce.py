@@ -244,9 +244,9 @@ def append_merged(
         wraps = (z0 > TOP - a0) | (z0 > TOP - b0) | (z > TOP - a) | (z > TOP - b)
         # Descriptors that end where the one before starts, the first against
         # the run: a descending run, which only joined() follows.
-        descends = (
-            (a0 > a) & (b0 > b) & (a0 - lesser(a0, a) == z) & (b0 - lesser(b0, b) == z)
-        )
+        # (Also set by zero-byte descriptors at or after the one before: the
+        # checked path then merges them as it should, a little slower.)
+        descends = (a0 - lesser(a0, a) == z) & (b0 - lesser(b0, b) == z)
         if copy_ahead:  # one array per loop: each vectorises
             for k in range(ONE, n):
                 out_src[written + k] = src[i + k]
@@ -267,12 +267,7 @@ def append_merged(
             marks |= mark << k
             n_marks += mark
             wraps |= (z > TOP - a) | (z > TOP - b)
-            descends |= (
-                (a0 > a)
-                & (b0 > b)
-                & (a0 - lesser(a0, a) == z)
-                & (b0 - lesser(b0, b) == z)
-            )
+            descends |= (a0 - lesser(a0, a) == z) & (b0 - lesser(b0, b) == z)
         if copy_ahead:
             out_src[written], out_dst[written] = src[i], dst[i]
             out_sizes[written] = sizes[i]
