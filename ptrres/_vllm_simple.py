@@ -24,6 +24,7 @@ when the first params are built.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import operator
@@ -38,6 +39,11 @@ import numpy.typing as npt
 
 from ._errors import BlockIdError, InputTypeError, SpecError
 
+# Lists of ids up to this long convert through np.asarray (the fastest for
+# them); longer ones through array.array, about twice as fast as numpy's
+# discovery of their type, and as strict: every item an int of int64.
+_SHORT_LIST = 16
+_INT64 = np.dtype(np.int64)
 # The attribute of the params (a BatchMemcpyParams) that holds its CopyPlan.
 PLAN_ATTRIBUTE = "_ptrres_copy_plan"
 # A side without tensors addresses nothing: no id is out of its range.
@@ -46,8 +52,6 @@ _NO_LIMIT = np.iinfo(np.int64).max
 _FIRST_CAPACITY = 16
 # cuMemcpyBatchAsync reads the descriptors as arrays of 8-byte entries.
 _ENTRY_BYTES = 8
-# max_run_bytes when runs are not capped (_kernels.NO_CAP).
-_NO_CAP = -1
 
 
 class CopyBlockIdError(BlockIdError):
@@ -104,16 +108,22 @@ class CopyPlan:
     ) -> None:
         # numba and the kernels: the first params pay for them.
         from . import _kernels
-        from ._kernels.copy_blocks import BLOCK_BYTES, DST_BASE, SRC_BASE
+        from ._kernels import copy_blocks as columns
 
-        # vLLM's own bases and bytes per block, so that the bytes are its.
-        self.layers = np.empty((len(params.bpb), _kernels.COPY_COLUMNS), np.int64)
+        # vLLM's own bases and bytes per block, so that the bytes are its,
+        # and each layer's tensors' blocks (vLLM zips the two dicts' values).
+        self.layers = np.empty((len(params.bpb), columns.COPY_COLUMNS), np.int64)
         for column, values in (
-            (SRC_BASE, params.src_bases),
-            (DST_BASE, params.dst_bases),
-            (BLOCK_BYTES, params.bpb),
+            (columns.SRC_BASE, params.src_bases),
+            (columns.DST_BASE, params.dst_bases),
+            (columns.BLOCK_BYTES, params.bpb),
         ):
             self.layers[:, column] = np.asarray(values, np.uint64).view(np.int64)
+        for column, tensors in (
+            (columns.SRC_BLOCKS, src_tensors),
+            (columns.DST_BLOCKS, dst_tensors),
+        ):
+            self.layers[:, column] = [_num_blocks(t) for t in tensors.values()]
         # An id must be a block of every tensor of its side.
         self.src_limit = _Limit.of("src", src_tensors)
         self.dst_limit = _Limit.of("dst", dst_tensors)
@@ -128,19 +138,15 @@ class CopyPlan:
 
     def _grow(self, blocks: int) -> None:
         """Buffers for calls of up to ``blocks`` id pairs."""
-        num_layers = len(self.layers)
-        length = max(blocks * num_layers, 1)
+        length = max(blocks * len(self.layers), 1)
         self.capacity = blocks
-        self.src = np.empty(length, np.uint64)
-        self.dst = np.empty(length, np.uint64)
-        self.sizes = np.empty(length, np.uint64)
+        # Rows: src, dst, sizes (the kernels' SRC_ROW, DST_ROW, SIZE_ROW).
+        self.out = np.empty((3, length), np.uint64)
         self.runs = np.empty((3, max(blocks, 1)), np.int64)
-        # The buffers' addresses: the driver gets address + 8 * offset.
-        self.addresses = (
-            self.src.ctypes.data,
-            self.dst.ctypes.data,
-            self.sizes.ctypes.data,
-        )
+        # The rows' addresses: the driver gets address + 8 * offset.
+        first = self.out.ctypes.data
+        row_bytes = length * _ENTRY_BYTES
+        self.addresses = (first, first + row_bytes, first + 2 * row_bytes)
 
     def fill(
         self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64]
@@ -156,27 +162,11 @@ class CopyPlan:
         kernels = self._kernels
         if self.coalesce:
             written = kernels.copy_block_runs_kernel(
-                self.layers,
-                src_ids,
-                dst_ids,
-                self.src_limit.blocks,
-                self.dst_limit.blocks,
-                _NO_CAP,
-                self.runs,
-                self.src,
-                self.dst,
-                self.sizes,
+                self.layers, src_ids, dst_ids, kernels.NO_CAP, self.runs, self.out
             )
         else:
             written = kernels.copy_blocks_kernel(
-                self.layers,
-                src_ids,
-                dst_ids,
-                self.src_limit.blocks,
-                self.dst_limit.blocks,
-                self.src,
-                self.dst,
-                self.sizes,
+                self.layers, src_ids, dst_ids, self.out
             )
         if written < 0:
             raise self._error(int(written), src_ids, dst_ids)
@@ -255,9 +245,19 @@ def block_ids_array(block_ids: Any, side: str, limit: _Limit) -> npt.NDArray[np.
         InputTypeError: ids that are not integers, or not a flat list.
         CopyBlockIdError: an integer beyond int64 (no tensor has that block).
     """
-    ids = np.asarray(block_ids)
-    if ids.dtype == np.int64 and ids.ndim == 1:
-        return ids if ids.flags.c_contiguous else np.ascontiguousarray(ids)
+    if type(block_ids) is list:
+        if len(block_ids) > _SHORT_LIST:
+            try:
+                return np.frombuffer(array.array("q", block_ids), np.int64)
+            except (TypeError, OverflowError):  # not all ints of int64
+                return _python_ints(block_ids, side, limit)
+        ids = np.asarray(block_ids)
+        if ids.dtype is _INT64 and ids.ndim == 1:  # then contiguous
+            return ids
+    else:
+        ids = np.asarray(block_ids)
+        if ids.dtype is _INT64 and ids.ndim == 1:
+            return ids if ids.flags.c_contiguous else np.ascontiguousarray(ids)
     if ids.ndim != 1:
         raise InputTypeError(
             f"copy_blocks: the {side} block ids must be a flat list of ints, "
@@ -278,14 +278,10 @@ def block_ids_array(block_ids: Any, side: str, limit: _Limit) -> npt.NDArray[np.
 
 
 def _python_ints(ids: Iterable[Any], side: str, limit: _Limit) -> npt.NDArray[np.int64]:
-    """Ids one by one: each must be an integer (of any type, not a bool)."""
+    """Ids one by one: each must be an integer (of any type: Python's, numpy's;
+    a bool is one, as in Python)."""
     values = []
     for position, block_id in enumerate(ids):
-        if isinstance(block_id, (bool, np.bool_)):
-            raise InputTypeError(
-                f"copy_blocks: {side} position {position} is a bool, not a block "
-                f"id: {block_id!r}"
-            )
         try:
             value = operator.index(block_id)
         except TypeError:

@@ -9,11 +9,11 @@ of layer l is one descriptor, layer-major (SPEC 12):
     dst = dst_base[l] + dst_ids[k] * bpb[l]
     size = bpb[l]
 
-Every id is checked against its side's block count while it is used: an id
-must be a block of every tensor of its side, so it is checked against the
-smallest count of the side. A kernel returns the number of descriptors it
-wrote, BAD_BLOCK_ID (the wrapper then finds the first bad id), OVERLAPPING_
-BUFFERS or SHORT_OUTPUTS (checked before anything is written).
+Every id is checked against its layer's tensors' block counts (SRC_BLOCKS,
+DST_BLOCKS) in the pass that uses it. A kernel returns the number of
+descriptors it wrote, BAD_BLOCK_ID (the wrapper then finds the first bad id),
+OVERLAPPING_BUFFERS or SHORT_OUTPUTS (both checked before anything is
+written).
 
 Merged (copy_block_runs_kernel), the runs are decided by the id pairs alone,
 the same for every layer: pair k + 1 continues an ascending run when both its
@@ -46,7 +46,13 @@ from .common import (
 SRC_BASE = 0  # data pointer of the layer's source tensor
 DST_BASE = 1  # data pointer of its destination tensor
 BLOCK_BYTES = 2  # bytes per block: stride(0) * element_size(), both sides
-COPY_COLUMNS = 3
+SRC_BLOCKS = 3  # blocks of the source tensor: valid ids are 0 <= id < this
+DST_BLOCKS = 4  # blocks of the destination tensor
+COPY_COLUMNS = 5
+
+# Rows of the descriptors' output: three arrays of one allocation, as
+# cuMemcpyBatchAsync takes them (each row's address is one argument).
+SRC_ROW, DST_ROW, SIZE_ROW = 0, 1, 2
 
 # An output shorter than the descriptors of the call (nothing is written).
 SHORT_OUTPUTS = np.int64(-4)
@@ -56,76 +62,74 @@ RUN_SRC, RUN_DST, RUN_BLOCKS = 0, 1, 2
 
 _TABLE = "int64[:, ::1]"
 _IDS = "int64[::1]"
-_OUT = "uint64[::1]"
+_OUT = "uint64[:, ::1]"
 
 
-@kernel(f"int64({_TABLE}, {_IDS}, {_IDS}, int64, int64, {_OUT}, {_OUT}, {_OUT})")
+@inline_helper
+def unusable(
+    layers: IntArray, src_ids: IntArray, dst_ids: IntArray, out: UIntArray
+) -> Any:
+    """Why a call cannot write its descriptors into ``out``: 0 if it can,
+    OVERLAPPING_BUFFERS (the output shares memory with the ids) or
+    SHORT_OUTPUTS (fewer than 3 rows, or rows shorter than a descriptor per
+    layer and id pair, or id lists of two lengths)."""
+    if overlaps(out, src_ids) | overlaps(out, dst_ids):
+        return OVERLAPPING_BUFFERS
+    n = np.uint64(src_ids.shape[0])
+    if (
+        (dst_ids.shape[0] != src_ids.shape[0])
+        | (out.shape[0] < 3)
+        | (np.uint64(out.shape[1]) < n * np.uint64(layers.shape[0]))
+    ):
+        return SHORT_OUTPUTS
+    return np.int64(0)
+
+
+@kernel(f"int64({_TABLE}, {_IDS}, {_IDS}, {_OUT})")
 def copy_blocks_kernel(
-    layers: IntArray,
-    src_ids: IntArray,
-    dst_ids: IntArray,
-    src_blocks: int,
-    dst_blocks: int,
-    src_out: UIntArray,
-    dst_out: UIntArray,
-    sizes_out: UIntArray,
+    layers: IntArray, src_ids: IntArray, dst_ids: IntArray, out: UIntArray
 ) -> int:
     """Fill one descriptor per layer and id pair, layer-major, as vLLM does.
 
     Args:
         layers: (num_layers, COPY_COLUMNS), one row per layer.
         src_ids, dst_ids: the block ids, as many on each side.
-        src_blocks, dst_blocks: the smallest block count of each side's
-            tensors: valid ids are 0 <= id < count.
-        src_out, dst_out, sizes_out: outputs, at least num_layers * len(ids)
-            long.
+        out: (3, at least num_layers * len(ids)): rows SRC_ROW, DST_ROW and
+            SIZE_ROW.
 
     Returns:
         The number of descriptors written, BAD_BLOCK_ID, OVERLAPPING_BUFFERS
         or SHORT_OUTPUTS.
     """
-    if (
-        overlaps(src_out, dst_out)
-        | overlaps(src_out, sizes_out)
-        | overlaps(dst_out, sizes_out)
-        | overlaps(src_out, src_ids)
-        | overlaps(src_out, dst_ids)
-        | overlaps(dst_out, src_ids)
-        | overlaps(dst_out, dst_ids)
-        | overlaps(sizes_out, src_ids)
-        | overlaps(sizes_out, dst_ids)
-    ):
-        return OVERLAPPING_BUFFERS
+    status = unusable(layers, src_ids, dst_ids, out)
+    if status != 0:
+        return status
     n = np.uint64(src_ids.shape[0])
-    num_layers = np.uint64(layers.shape[0])
-    shortest = lesser(src_out.shape[0], lesser(dst_out.shape[0], sizes_out.shape[0]))
-    if (dst_ids.shape[0] != src_ids.shape[0]) | (np.uint64(shortest) < n * num_layers):
-        return SHORT_OUTPUTS
-    src_limit = np.uint64(src_blocks)
-    dst_limit = np.uint64(dst_blocks)
     op = ZERO
-    for layer in range(num_layers):
+    for layer in range(layers.shape[0]):
         bpb = np.uint64(layers[layer, BLOCK_BYTES])
         # Range checks accumulate without a branch, so that the loops
         # vectorise; meanwhile a bad id counts as block 0, so that no product
         # overflows (nothing of a failed call is submitted).
         out_of_range = False
-        src_base = np.uint64(layers[layer, SRC_BASE])
+        base = np.uint64(layers[layer, SRC_BASE])
+        limit = np.uint64(layers[layer, SRC_BLOCKS])
         for k in range(n):
             block_id = np.uint64(src_ids[k])
-            bad = block_id >= src_limit
+            bad = block_id >= limit
             out_of_range |= bad
-            src_out[op + k] = src_base + (ZERO if bad else block_id) * bpb
-        dst_base = np.uint64(layers[layer, DST_BASE])
+            out[SRC_ROW, op + k] = base + (ZERO if bad else block_id) * bpb
+        base = np.uint64(layers[layer, DST_BASE])
+        limit = np.uint64(layers[layer, DST_BLOCKS])
         for k in range(n):
             block_id = np.uint64(dst_ids[k])
-            bad = block_id >= dst_limit
+            bad = block_id >= limit
             out_of_range |= bad
-            dst_out[op + k] = dst_base + (ZERO if bad else block_id) * bpb
+            out[DST_ROW, op + k] = base + (ZERO if bad else block_id) * bpb
         if out_of_range:
             return BAD_BLOCK_ID
         for k in range(n):
-            sizes_out[op + k] = bpb
+            out[SIZE_ROW, op + k] = bpb
         op += n
     return np.int64(op)
 
@@ -169,21 +173,14 @@ def find_runs(src_ids: IntArray, dst_ids: IntArray, max_blocks: Any, runs: Any) 
     return np.uint64(num_runs)
 
 
-@kernel(
-    f"int64({_TABLE}, {_IDS}, {_IDS}, int64, int64, int64, {_TABLE}, "
-    f"{_OUT}, {_OUT}, {_OUT})"
-)
+@kernel(f"int64({_TABLE}, {_IDS}, {_IDS}, int64, {_TABLE}, {_OUT})")
 def copy_block_runs_kernel(
     layers: IntArray,
     src_ids: IntArray,
     dst_ids: IntArray,
-    src_blocks: int,
-    dst_blocks: int,
     max_run_bytes: int,
     runs: IntArray,
-    src_out: UIntArray,
-    dst_out: UIntArray,
-    sizes_out: UIntArray,
+    out: UIntArray,
 ) -> int:
     """copy_blocks_kernel's descriptors, runs of consecutive blocks merged.
 
@@ -194,6 +191,7 @@ def copy_block_runs_kernel(
     their runs again.
 
     Args:
+        max_run_bytes: the cap, or NO_CAP.
         runs: scratch, (3, at least len(ids)).
         others: as copy_blocks_kernel's.
 
@@ -201,36 +199,24 @@ def copy_block_runs_kernel(
         The number of descriptors written, BAD_BLOCK_ID, OVERLAPPING_BUFFERS
         or SHORT_OUTPUTS.
     """
-    if (
-        overlaps(src_out, dst_out)
-        | overlaps(src_out, sizes_out)
-        | overlaps(dst_out, sizes_out)
-        | overlaps(src_out, src_ids)
-        | overlaps(src_out, dst_ids)
-        | overlaps(dst_out, src_ids)
-        | overlaps(dst_out, dst_ids)
-        | overlaps(sizes_out, src_ids)
-        | overlaps(sizes_out, dst_ids)
-        | overlaps(runs, src_ids)
-        | overlaps(runs, dst_ids)
-        | overlaps(runs, src_out)
-        | overlaps(runs, dst_out)
-        | overlaps(runs, sizes_out)
-    ):
-        return OVERLAPPING_BUFFERS
+    status = unusable(layers, src_ids, dst_ids, out)
+    if status != 0:
+        return status
     n = np.uint64(src_ids.shape[0])
-    num_layers = np.uint64(layers.shape[0])
-    shortest = lesser(src_out.shape[0], lesser(dst_out.shape[0], sizes_out.shape[0]))
-    if (
-        (dst_ids.shape[0] != src_ids.shape[0])
-        | (np.uint64(shortest) < n * num_layers)
-        | (runs.shape[0] < 3)
-        | (np.uint64(runs.shape[1]) < n)
-    ):
+    if overlaps(runs, src_ids) | overlaps(runs, dst_ids) | overlaps(runs, out):
+        return OVERLAPPING_BUFFERS
+    if (runs.shape[0] < 3) | (np.uint64(runs.shape[1]) < n):
         return SHORT_OUTPUTS
-    # Every id first: the run search takes differences of ids in range only.
-    src_limit = np.uint64(src_blocks)
-    dst_limit = np.uint64(dst_blocks)
+    # Every id first, against the fewest blocks of its side: the run search
+    # takes differences of ids in range only.
+    num_layers = layers.shape[0]
+    if num_layers == 0:
+        return np.int64(0)
+    src_limit = np.uint64(layers[0, SRC_BLOCKS])
+    dst_limit = np.uint64(layers[0, DST_BLOCKS])
+    for layer in range(1, num_layers):
+        src_limit = lesser(src_limit, np.uint64(layers[layer, SRC_BLOCKS]))
+        dst_limit = lesser(dst_limit, np.uint64(layers[layer, DST_BLOCKS]))
     out_of_range = False
     for k in range(n):
         out_of_range |= (np.uint64(src_ids[k]) >= src_limit) | (
@@ -253,13 +239,13 @@ def copy_block_runs_kernel(
         if max_blocks != runs_of:
             num_runs = find_runs(src_ids, dst_ids, max_blocks, runs)
             runs_of = max_blocks
-        src_base = np.uint64(layers[layer, SRC_BASE])
-        dst_base = np.uint64(layers[layer, DST_BASE])
+        base = np.uint64(layers[layer, SRC_BASE])
         for r in range(num_runs):
-            src_out[op + r] = src_base + np.uint64(runs[RUN_SRC, r]) * bpb
+            out[SRC_ROW, op + r] = base + np.uint64(runs[RUN_SRC, r]) * bpb
+        base = np.uint64(layers[layer, DST_BASE])
         for r in range(num_runs):
-            dst_out[op + r] = dst_base + np.uint64(runs[RUN_DST, r]) * bpb
+            out[DST_ROW, op + r] = base + np.uint64(runs[RUN_DST, r]) * bpb
         for r in range(num_runs):
-            sizes_out[op + r] = np.uint64(runs[RUN_BLOCKS, r]) * bpb
+            out[SIZE_ROW, op + r] = np.uint64(runs[RUN_BLOCKS, r]) * bpb
         op += num_runs
     return np.int64(op)
