@@ -181,10 +181,34 @@ def _vllm_findings() -> list[Finding]:
     if version is not None and findings[0].status == "ok":
         replacements, refusal = plugin._plan_replacements()
         if refusal is None:
-            names = ", ".join(r.qualified_name for r in replacements)
-            findings.append(Finding("ok", "patches", names))
+            findings += _patch_findings([r.qualified_name for r in replacements])
         else:
             findings.append(Finding("no", "patches", f"nothing: {refusal}"))
+    return findings
+
+
+def _patch_findings(names: list[str]) -> list[Finding]:
+    """What patch() would replace: the handler's methods (and pointer_utils')
+    on one line, the simple offload path's functions on another."""
+    from ._vllm_release import SIMPLE_BACKEND_MODULES, SIMPLE_MODULE
+
+    modules = (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES)
+    simple = [n for n in names if n.rpartition(".")[0] in modules]
+    findings = [
+        Finding("ok", "patches", ", ".join(n for n in names if n not in simple))
+    ]
+    if simple:
+        functions = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n in simple))
+        where = ", ".join(
+            dict.fromkeys(n.rpartition(".")[0].rpartition(".")[2] for n in simple)
+        )
+        findings.append(
+            Finding(
+                "ok",
+                "simple offload",
+                f"{functions} (SimpleCPUOffloadConnector), in {where}",
+            )
+        )
     return findings
 
 
