@@ -138,6 +138,32 @@ rank writes no block submits nothing on either side (0 descriptors).""",
         markdown=True,
     ),
     Section(
+        "simple-copy-blocks",
+        "vLLM's simple offload path: copy_blocks, patched and unpatched",
+        """\
+vLLM's second CPU offloading path, `SimpleCPUOffloadConnector`
+([docs/vllm.md](vllm.md)), submits every copy through
+`cuda_mem_ops.copy_blocks(src_ids, dst_ids, params)`: its DMA backend once
+per transfer, its disk backend once per block. vLLM's own against the one the
+plugin patches in, on the same params, in one process, in interleaved rounds,
+the driver function (`cuMemcpyBatchAsync`) stubbed to a no-op: what is timed
+is turning two lists of ids into the three descriptor arrays and handing them
+over, which vLLM does on the CPU for every copy, and which the patched one
+also checks. Both sides' driver calls are checked equal first. One layer per
+ref of each preset (its page as the bytes per block), and a MiniMax-M3-like
+rank of 118 regions of 32 KiB (vLLM PR #56110); random distinct ids; the
+disk rows are the disk backend's calls, one block to or from a staging slot.
+Tensors are never allocated: neither side touches the pages. From 256 blocks
+on, both sides spend much of their time turning Python lists into arrays.
+Last, what loading the plugin adds to a process that never offloads (fresh
+interpreters, vLLM's own `load_general_plugins()` with and without ptrres),
+and what a process that offloads pays, once, when vLLM imports its backend
+and builds its params.""",
+        ("python", "benchmarks/simple_copy_blocks.py"),
+        ("--quick",),
+        markdown=True,
+    ),
+    Section(
         "file-tier",
         "File tier: op lists and the POSIX executor",
         """\
@@ -259,6 +285,13 @@ HEADLINES: tuple[Headline, ...] = (
         "vllm",
         r"geometric mean ([\d.]+)x .*lowest ([\d.]+)x",
         "{0:.1f}x faster (geometric mean), lowest {1:.1f}x",
+    ),
+    Headline(
+        "vLLM's `copy_blocks` (simple CPU offload), patched",
+        "vLLM's own, 1 to 4096 blocks",
+        "simple-copy-blocks",
+        r"geometric mean ([\d.]+)x .*?lowest ([\d.]+)x; .*?lowest ([\d.]+)x",
+        "{0:.1f}x faster (geometric mean), lowest {1:.1f}x; {2:.1f}x at one block",
     ),
     Headline(
         "resolve into `out=`, 1 and 16 blocks",
