@@ -69,6 +69,9 @@ class Section:
 # Scripts of benchmarks/ that the page does not run, and why.
 NOT_ON_THE_PAGE = {
     "ab_bench.py": "compares two checkouts (a change against its base)",
+    "vllm_traces.py": "records vLLM's own block ids in a venv of its own "
+    "(.venv-traces); the page's trace section, after the others, is written "
+    "by hand from `ptrres bench --trace`, and kept by every rerun",
 }
 
 SECTIONS: tuple[Section, ...] = (
@@ -475,10 +478,20 @@ def render_section(section: Section, result: Result | None) -> str:
     return "\n".join(lines)
 
 
+def appendix(text: str) -> str:
+    """What a page holds after its last section: sections written by hand
+    (from commands this script does not run), which a rerun keeps."""
+    ends = list(re.finditer(r"^<!-- report:end [\w-]+ -->$", text, re.M))
+    return text[ends[-1].end() :].strip("\n") if ends else ""
+
+
 def render_page(
-    results: dict[str, Result], sections: Sequence[Section] | None = None
+    results: dict[str, Result],
+    sections: Sequence[Section] | None = None,
+    kept: str = "",
 ) -> str:
-    """The whole page: intro, where each section ran, then the sections."""
+    """The whole page: intro, where each section ran, the sections, then
+    ``kept`` (the old page's appendix())."""
     sections = SECTIONS if sections is None else sections
     runs: dict[str, list[str]] = {}
     for section in sections:
@@ -508,6 +521,8 @@ def render_page(
     ]
     for section in sections:
         lines += ["", render_section(section, results.get(section.name))]
+    if kept:
+        lines += ["", kept]
     return "\n".join(lines) + "\n"
 
 
@@ -567,7 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{s.name:<14} {s.shown(False)}")
         return 0
 
-    results = parse_page(args.page.read_text()) if args.page.exists() else {}
+    old_page = args.page.read_text() if args.page.exists() else ""
+    results, kept = parse_page(old_page), appendix(old_page)
     failed = []
     for section in SECTIONS:
         if args.only and section.name not in args.only:
@@ -577,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, RuntimeError) as exc:
             print(f"{section.name}: {exc}; its figures are kept", file=sys.stderr)
             failed.append(section.name)
-        args.page.write_text(render_page(results))  # after each: nothing lost
+        args.page.write_text(render_page(results, kept=kept))  # after each
     print(f"wrote {args.page}", file=sys.stderr)
     if args.page.resolve() == PAGE:
         try:

@@ -138,3 +138,21 @@ def test_headlines_need_every_figure() -> None:
         report.with_headlines(readme, broken)
     with pytest.raises(ValueError, match="markers"):
         report.with_headlines("# no table", results)
+
+
+def test_a_rerun_keeps_sections_written_by_hand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sections after the last report block (from commands report.py does not
+    run) survive a rerun, as they were."""
+    monkeypatch.setattr(report, "SECTIONS", (printing("one", "first figures"),))
+    page = tmp_path / "benchmarks.md"
+    assert report.main(["--page", str(page)]) == 0
+    by_hand = "## Traces\n\nMeasured by hand: `ptrres bench --trace x`.\n\n| a |\n"
+    page.write_text(page.read_text() + "\n" + by_hand)
+    monkeypatch.setattr(report, "SECTIONS", (printing("one", "second figures"),))
+    assert report.main(["--page", str(page)]) == 0
+    text = page.read_text()
+    assert text.endswith("<!-- report:end one -->\n\n" + by_hand)
+    assert "second figures" in report.parse_page(text)["one"].output
+    assert report.appendix(text) == by_hand.strip("\n")
