@@ -750,3 +750,117 @@ def test_ptrres_vllm_0_patches_nothing_on_import() -> None:
     report = run_lazy("register", switch="0")
     assert report["imported"]["patched"] is False
     assert report["built"]["checked"] is False
+
+
+# --- the kernels' own refusals (the wrapper never meets them) --------------------
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_kernels_refuse_outputs_they_cannot_write(merged: bool) -> None:
+    from ptrres import _kernels
+
+    layers = np.zeros((2, _kernels.COPY_COLUMNS), np.int64)
+    layers[:, 2:] = 8  # 8 bytes per block, 8 blocks on each side
+
+    def call(src: Any, dst: Any, out: Any, runs: Any = None) -> int:
+        if not merged:
+            return int(_kernels.copy_blocks_kernel(layers, src, dst, out))
+        runs = np.zeros((3, 4), np.int64) if runs is None else runs
+        return int(_kernels.copy_block_runs_kernel(layers, src, dst, -1, runs, out))
+
+    ids = np.array([1, 2], np.int64)
+    out = np.zeros((3, 4), np.uint64)
+    assert call(ids, ids.copy(), out) == (2 if merged else 4)
+    short = _kernels.SHORT_OUTPUTS
+    assert call(ids, ids.copy(), np.zeros((3, 3), np.uint64)) == short
+    assert call(ids, ids.copy(), np.zeros((2, 4), np.uint64)) == short
+    assert call(ids, ids[:1].copy(), out) == short
+    shared = np.zeros((3, 4), np.uint64)
+    overlapping = shared.view(np.int64)[0, :2]
+    assert call(overlapping, ids, shared) == _kernels.OVERLAPPING_BUFFERS
+    if merged:
+        assert call(ids, ids.copy(), out, np.zeros((3, 1), np.int64)) == short
+        assert call(ids, ids.copy(), out, out.view(np.int64)) == (
+            _kernels.OVERLAPPING_BUFFERS
+        )
+
+
+# --- register()'s import hook, in this process ------------------------------------
+
+
+@pytest.fixture
+def triggers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[str, str]]:
+    """Two modules standing in for vLLM's offloading modules: the outer one
+    imports the inner one, and each notes whether vLLM was patched when it
+    ran."""
+    outer, inner = "ptrres_trigger_outer", "ptrres_trigger_inner"
+    (tmp_path / f"{inner}.py").write_text(
+        "import ptrres.vllm\nPATCHED = ptrres.vllm.is_patched()\n"
+    )
+    (tmp_path / f"{outer}.py").write_text(
+        f"import ptrres.vllm, {inner}\nPATCHED = ptrres.vllm.is_patched()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugin, "PATCH_TRIGGERS", (outer, inner))
+    monkeypatch.delenv("PTRRES_VLLM", raising=False)
+    yield outer, inner
+    for name in (outer, inner):
+        sys.modules.pop(name, None)
+
+
+def hooks() -> list[Any]:
+    return [f for f in sys.meta_path if isinstance(f, plugin._PatchOnImport)]
+
+
+def test_register_patches_once_the_last_trigger_has_run(
+    triggers: tuple[str, str],
+) -> None:
+    import importlib
+
+    outer, inner = triggers
+    plugin.register()
+    assert not plugin.is_patched()
+    assert len(hooks()) == 1
+    plugin.register()  # again: still one hook
+    assert len(hooks()) == 1
+    module = importlib.import_module(outer)
+    assert plugin.is_patched()
+    # Neither module saw a patch: the inner one ended while the outer ran.
+    assert (module.PATCHED, sys.modules[inner].PATCHED) == (False, False)
+    assert hooks() == []
+    assert type(module.__loader__).__name__ == "SourceFileLoader"
+    assert module.__spec__ is not None
+    assert module.__spec__.loader is module.__loader__
+
+
+def test_unpatch_cancels_a_pending_patch(triggers: tuple[str, str]) -> None:
+    import importlib
+
+    plugin.register()
+    plugin.unpatch()
+    assert hooks() == []
+    importlib.import_module(triggers[0])
+    assert not plugin.is_patched()
+
+
+def test_a_trigger_imported_already_patches_at_once(
+    triggers: tuple[str, str],
+) -> None:
+    import importlib
+
+    importlib.import_module(triggers[1])
+    plugin.register()
+    assert plugin.is_patched()
+    assert hooks() == []
+
+
+def test_the_wrapped_loader_answers_as_the_modules_own() -> None:
+    import importlib.machinery
+
+    spec = importlib.machinery.PathFinder.find_spec("json")
+    assert spec is not None
+    wrapped = plugin._ThenPatch(spec.loader)
+    assert wrapped.is_package("json") is spec.loader.is_package("json")  # type: ignore[union-attr]
+    assert wrapped.get_filename("json") == spec.origin
