@@ -187,10 +187,13 @@ ptrres takes a few microseconds, so those cells move most from run to run.""",
 Plain and coalesced plans timed side by side, `blocks_per_chunk` 4, into
 `out=` buffers: store plans, canonical plans (both presets, loads and
 stores) and file op lists. Block ids are random (with one adjacent pair),
-runs of 1 to 8 consecutive ids (what a block allocator hands out), or fully
-consecutive. The target: a coalesced plan within 1.2x of the plain one.
-Where nothing merges (random ids) coalescing can only cost; where runs merge
-it saves writing. Last, the standalone `coalesce()` at 4096 blocks against a
+runs of 1 to 8 consecutive ids (what a block allocator hands out), the same
+runs counting down (eviction order; the chunks ascend, so nothing merges
+and only the search for descending runs costs), or fully consecutive. The
+target: a coalesced plan within 1.2x of the plain one. Where nothing merges
+(random ids) coalescing can only cost; where runs merge it saves writing.
+`+ submit` adds what submitting the descriptors costs the CPU (0.5 us each
+to `cuMemcpyBatchAsync`, SPEC 6): coalesced over plain, target 1.01x. Last, the standalone `coalesce()` at 4096 blocks against a
 numpy fill of its three output buffers, and the floor any merge must pay
 (reading every input, writing the survivors) in numpy: where most
 descriptors survive (hybrid-4x12) that floor alone exceeds the 1.5x
