@@ -193,8 +193,9 @@ and only the search for descending runs costs), or fully consecutive. The
 target: a coalesced plan within 1.2x of the plain one. Where nothing merges
 (random ids) coalescing can only cost; where runs merge it saves writing.
 `+ submit` adds what submitting the descriptors costs the CPU (0.5 us each
-to `cuMemcpyBatchAsync`, SPEC 6): coalesced over plain, target 1.01x. Last, the standalone `coalesce()` at 4096 blocks against a
-numpy fill of its three output buffers, and the floor any merge must pay
+to `cuMemcpyBatchAsync`, SPEC 6): coalesced over plain, target 1.01x. Last,
+the standalone `coalesce()` at 4096 blocks against a numpy fill of its three
+output buffers, and the floor any merge must pay
 (reading every input, writing the survivors) in numpy: where most
 descriptors survive (hybrid-4x12) that floor alone exceeds the 1.5x
 target.""",
