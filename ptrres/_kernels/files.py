@@ -170,27 +170,6 @@ def group_files(
                 # only upwards, and a descending run ends here.
                 if state == DOWN:
                     state = FRESH
-                # Where no op of the rest continues the one before it (the
-                # file side continues only when a step is a page), they are
-                # written as they are, in a loop that vectorises.
-                joins = False
-                if step == page:
-                    for k in range(rest + ONE, end_k):
-                        ptr, before_ptr = ptrs[ref_ops + k], ptrs[ref_ops + k - ONE]
-                        joins |= ptr - lesser(ptr, before_ptr) == page
-                if rest < end_k and not joins:
-                    next_op = (ptrs[ref_ops + rest], offset, page)
-                    if state == FRESH or not ascends(run, next_op, cap):
-                        for k in range(rest, end_k):
-                            dev_out[written] = ptrs[ref_ops + k]
-                            off_out[written] = offset
-                            size_out[written] = page
-                            offset += step
-                            written += ONE
-                        last = written - ONE
-                        run = (dev_out[last], off_out[last], size_out[last])
-                        state = SINGLE
-                        rest = end_k
                 for k in range(rest, end_k):
                     op = (ptrs[ref_ops + k], offset, page)
                     if (state != FRESH) & ascends(run, op, cap):
