@@ -156,16 +156,19 @@ def plan_spec_file_ops(
     groups, _, n_files = _groups(
         resolved, (sizes_of_groups, ref_counts, block_indices), options[0]
     )
-    # The allocation of each ref of the non-empty groups, in order.
-    allocations = ref_table[
-        [
-            ref
-            for g, size in enumerate(sizes_of_groups)
-            if size
-            for ref in range(group_ref_start[g], group_ref_start[g + 1])
-        ],
-        ALLOCATION,
-    ]
+    # The allocation of each ref of the non-empty groups, in order: what
+    # merging needs (a plain plan never reads it).
+    allocations = _UNKNOWN
+    if options[2]:
+        allocations = ref_table[
+            [
+                ref
+                for g, size in enumerate(sizes_of_groups)
+                if size
+                for ref in range(group_ref_start[g], group_ref_start[g + 1])
+            ],
+            ALLOCATION,
+        ]
     return _run(ptrs, sizes, groups, n_files, options, outputs, resolved, allocations)
 
 
