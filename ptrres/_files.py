@@ -160,15 +160,8 @@ def plan_spec_file_ops(
     # merging needs (a plain plan never reads it).
     allocations = _UNKNOWN
     if options[2]:
-        allocations = ref_table[
-            [
-                ref
-                for g, size in enumerate(sizes_of_groups)
-                if size
-                for ref in range(group_ref_start[g], group_ref_start[g + 1])
-            ],
-            ALLOCATION,
-        ]
+        non_empty = np.repeat(np.asarray(sizes_of_groups) > 0, np.diff(group_ref_start))
+        allocations = np.ascontiguousarray(ref_table[non_empty, ALLOCATION])
     return _run(ptrs, sizes, groups, n_files, options, outputs, resolved, allocations)
 
 
