@@ -29,7 +29,6 @@ from ._diagnose import file_plan_error, overlap_error, resolve_error
 from ._errors import InputTypeError, SpecError
 from ._geometry import Groups
 from ._groups import GroupCounts, iter_pointer_groups
-from ._kernels.common import ALLOCATION
 from ._kernels.files import FILE_BYTES, FILE_GROUP, FILE_START
 from ._results import DevicePointers, FilePlan
 
@@ -114,6 +113,7 @@ def plan_file_ops(
 
 def plan_spec_file_ops(
     ref_table: IntTable,
+    ref_allocations: IntTable,
     group_ref_start: IntTable,
     group_sizes: IntTable,
     ref_rows: Groups,
@@ -128,6 +128,7 @@ def plan_spec_file_ops(
 
     Args:
         ref_table, group_ref_start: the table's.
+        ref_allocations: its ALLOCATION column, contiguous.
         group_sizes: counts' group sizes as an int64 array.
         ref_rows, ref_counts: the table's refs, group by group, and how
             many each group has.
@@ -160,8 +161,12 @@ def plan_spec_file_ops(
     # merging needs (a plain plan never reads it).
     allocations = _UNKNOWN
     if options[2]:
-        non_empty = np.repeat(np.asarray(sizes_of_groups) > 0, np.diff(group_ref_start))
-        allocations = np.ascontiguousarray(ref_table[non_empty, ALLOCATION])
+        allocations = ref_allocations
+        if not all(sizes_of_groups):  # the refs of empty groups left out
+            non_empty = np.repeat(
+                np.asarray(sizes_of_groups) > 0, np.diff(group_ref_start)
+            )
+            allocations = np.ascontiguousarray(ref_allocations[non_empty])
     return _run(ptrs, sizes, groups, n_files, options, outputs, resolved, allocations)
 
 

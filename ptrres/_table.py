@@ -64,6 +64,10 @@ class PointerTable:
         self.ref_table = np.array(rows, dtype=np.int64).reshape(
             len(rows), _kernels.REF_COLUMNS
         )
+        # Each ref's allocation (file-op kernels take it apart from the table).
+        self._ref_allocations = np.ascontiguousarray(
+            self.ref_table[:, _kernels.ALLOCATION]
+        )
         # The refs of group g are rows group_ref_start[g]:group_ref_start[g + 1].
         self.group_ref_start = np.cumsum([0] + [len(g) for g in groups], dtype=np.int64)
         self.group_data_ref_counts: tuple[int, ...] = tuple(len(g) for g in groups)
@@ -292,6 +296,7 @@ class PointerTable:
         block_ids, counts = self._read_spec(device_spec)
         return _files.plan_spec_file_ops(
             self.ref_table,
+            self._ref_allocations,
             self.group_ref_start,
             sizes_array(self._group_arrays, counts.group_sizes),
             self._groups,

@@ -23,6 +23,7 @@ kernels keep the old helper.
 from .canonical import canonical_plan_kernel
 from .coalesce import coalesce_kernel
 from .common import (
+    ALLOCATION,
     BAD_BLOCK_ID,
     BAD_OFFLOADED_ID,
     NO_CAP,
@@ -41,6 +42,7 @@ from .plan import plan_kernel
 from .resolve import block_ids_from_pointers, resolve_kernel
 
 __all__ = [
+    "ALLOCATION",
     "BAD_BLOCK_ID",
     "BAD_OFFLOADED_ID",
     "BAD_OP_SIZE",
