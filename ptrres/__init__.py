@@ -23,10 +23,13 @@ if TYPE_CHECKING:
         OffloadedIdError,
         OutBufferError,
         PtrresError,
+        RemoteBlockIdError,
         SpecError,
     )
     from ._files import plan_file_ops
+    from ._geometry import MemoryRegion
     from ._offloaded import OffloadedLayout
+    from ._peer import PeerLayout, PeerRef
     from ._pointer_utils import (
         clear_table_cache,
         iter_pointer_groups,
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
         DevicePointerGroupInfo,
         DevicePointers,
         FilePlan,
+        PeerTransferPlan,
         StridedTransferPlan,
         TransferPlan,
     )
@@ -68,11 +72,16 @@ __all__ = [
     "GPULoadStoreSpec",
     "InputTypeError",
     "LayoutError",
+    "MemoryRegion",
     "OffloadedIdError",
     "OffloadedLayout",
     "OutBufferError",
+    "PeerLayout",
+    "PeerRef",
+    "PeerTransferPlan",
     "PointerTable",
     "PtrresError",
+    "RemoteBlockIdError",
     "SpecError",
     "StridedTransferPlan",
     "TransferPlan",
@@ -98,10 +107,13 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "OffloadedIdError",
         "OutBufferError",
         "PtrresError",
+        "RemoteBlockIdError",
         "SpecError",
     ),
     "_files": ("plan_file_ops",),
+    "_geometry": ("MemoryRegion",),
     "_offloaded": ("OffloadedLayout",),
+    "_peer": ("PeerLayout", "PeerRef"),
     "_pointer_utils": (
         "clear_table_cache",
         "iter_pointer_groups",
@@ -112,6 +124,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "DevicePointerGroupInfo",
         "DevicePointers",
         "FilePlan",
+        "PeerTransferPlan",
         "StridedTransferPlan",
         "TransferPlan",
     ),

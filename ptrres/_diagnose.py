@@ -20,6 +20,7 @@ from ._errors import (
     DevicePointerError,
     OffloadedIdError,
     OutBufferError,
+    RemoteBlockIdError,
     SpecError,
 )
 from ._geometry import Groups, RefRow, num_chunks
@@ -173,6 +174,56 @@ def plan_error(
         f"group {group}, position {position}: offloaded id {value} is out of "
         f"range for ref {d}, whose offloaded tensor {tensor_idx} has "
         f"{off_limits[group][d]} chunks",
+        group=group,
+        position=position,
+        value=value,
+    )
+
+
+def failed_peer_plan_error(
+    status: int,
+    outputs: tuple[npt.NDArray[np.uint64], ...],
+    groups: Groups,
+    block_ids: npt.NDArray[Any],
+    group_sizes: tuple[int, ...],
+    remote_ids: npt.NDArray[np.int64],
+    peer_groups: Sequence[Sequence[Any]],
+) -> BlockIdError | OutBufferError:
+    """The error of a peer plan's negative status (SPEC 14): buffers that
+    share memory (nothing was written), else, with what was written zeroed,
+    the first local block id out of its ref's tensor, then the first remote
+    id out of its peer ref's blocks, in op order.
+
+    Args:
+        peer_groups: the peer's refs, group by group (each with num_blocks).
+    """
+    if status == OVERLAPPING_BUFFERS:
+        return overlap_error("out's local, remote and sizes, and the ids")
+    for output in outputs:
+        output[:] = 0
+    bad = bad_block_id(groups, block_ids, group_sizes)
+    if bad is not None:
+        group, d, position, value = bad
+        return block_id_error(group, position, value, d, groups[group][d])
+    return remote_ids_error(peer_groups, remote_ids, group_sizes)
+
+
+def remote_ids_error(
+    peer_groups: Sequence[Sequence[Any]],
+    remote_ids: npt.NDArray[Any],
+    group_sizes: tuple[int, ...],
+) -> RemoteBlockIdError:
+    """The error of the first remote id, in op order, outside its peer ref
+    (each of ``peer_groups``' refs has a num_blocks)."""
+    limits = [[ref.num_blocks for ref in group] for group in peer_groups]
+    bad = first_out_of_range(remote_ids, group_sizes, limits)
+    if bad is None:  # pragma: no cover (the kernel and this check disagree)
+        raise _disagreement("a remote block id out of range")
+    group, d, position, value = bad
+    num_blocks = limits[group][d]
+    return RemoteBlockIdError(
+        f"group {group}, position {position}: remote block id {value} is out of "
+        f"range for ref {d}, whose peer tensor has {num_blocks} blocks",
         group=group,
         position=position,
         value=value,

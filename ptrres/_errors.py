@@ -59,6 +59,12 @@ class OffloadedIdError(PtrresError, ValueError):
         self.value = value
 
 
+class RemoteBlockIdError(BlockIdError):
+    """A peer's block id (of a peer transfer) is out of range for the peer's
+    tensor it addresses (SPEC 14). ``group``, ``position`` and ``value`` as
+    for BlockIdError, of the remote ids."""
+
+
 class DevicePointerError(BlockIdError):
     """A resolved device pointer is not a block of its ref's tensor.
 

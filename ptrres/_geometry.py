@@ -8,6 +8,7 @@ offloaded chunk and sub-block a block goes to (num_chunks).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -27,6 +28,25 @@ class TensorGeometry(NamedTuple):
     row_bytes: int
     # Which allocation the tensor is a view of (allocation_of).
     allocation: int
+    # Where its memory is (device_of): HOST, a CUDA device index, or None.
+    device: int | None
+
+
+class MemoryRegion(NamedTuple):
+    """One allocation a layout's tensors lie in: what a transfer engine
+    registers (NIXL's ``register_memory``, cuFile's ``cuFileBufRegister``).
+
+    It spans the bytes of every tensor of the layout in that allocation, from
+    the lowest to the end of the highest.
+    """
+
+    # First byte of the tensors' bytes in the allocation.
+    address: int
+    # Bytes from there to the end of the last tensor's last row.
+    nbytes: int
+    # HOST (-1) for host memory, else the CUDA device index (NIXL's devId for
+    # VRAM); None where the tensors do not say.
+    device: int | None
 
 
 class RefRow(NamedTuple):
@@ -45,6 +65,8 @@ Groups = Sequence[Sequence[RefRow]]
 
 # The kernels compute pointers in int64: every byte of a tensor must lie below.
 ADDRESS_LIMIT = 2**63 - 1
+# The device of host memory (TensorGeometry.device, MemoryRegion.device).
+HOST = -1
 
 
 def tensor_geometry(
@@ -83,7 +105,60 @@ def tensor_geometry(
             "the addresses ptrres computes"
         )
     allocation = allocation_of(tensor, -1 - tensor_idx)
-    return TensorGeometry(base_ptr, row_stride_bytes, num_blocks, row_bytes, allocation)
+    return TensorGeometry(
+        base_ptr,
+        row_stride_bytes,
+        num_blocks,
+        row_bytes,
+        allocation,
+        device_of(tensor),
+    )
+
+
+def device_of(tensor: Any) -> int | None:
+    """Where a tensor's memory is: HOST for a numpy array or a torch tensor on
+    the CPU, the device index of a CUDA tensor, None for anything else (a
+    device of another kind, an object without ``device``)."""
+    if isinstance(tensor, np.ndarray):
+        return HOST
+    try:
+        device = tensor.device
+        kind = device.type
+        if kind == "cpu":
+            return HOST
+        if kind == "cuda":
+            index = device.index
+            return 0 if index is None else operator.index(index)
+    except Exception:  # no device to read: unknown
+        pass
+    return None
+
+
+def memory_regions(geometries: Sequence[TensorGeometry]) -> tuple[MemoryRegion, ...]:
+    """One MemoryRegion per allocation of the tensors, in order of first
+    appearance: the span of their bytes in it (a tensor without a block
+    spans nothing), on their device (None where they disagree)."""
+    spans: dict[int, tuple[int, int, int | None]] = {}
+    for geometry in geometries:
+        if geometry.num_blocks == 0 or geometry.row_bytes == 0:
+            continue
+        start = geometry.base_ptr
+        end = start + (geometry.num_blocks - 1) * geometry.row_stride_bytes
+        end += geometry.row_bytes
+        known = spans.get(geometry.allocation)
+        if known is None:
+            spans[geometry.allocation] = (start, end, geometry.device)
+        else:
+            device = known[2] if known[2] == geometry.device else None
+            spans[geometry.allocation] = (
+                min(known[0], start),
+                max(known[1], end),
+                device,
+            )
+    return tuple(
+        MemoryRegion(start, end - start, device)
+        for start, end, device in spans.values()
+    )
 
 
 def allocation_of(tensor: Any, unknown: int) -> int:
@@ -143,8 +218,9 @@ def _tensor_answers(tensor: Any, what: str) -> tuple[tuple[int, ...], int, int, 
     return shape, base_ptr, stride * element_size, element_size
 
 
-def read_layout(kv_caches: Any) -> list[list[RefRow]]:
-    """For each group of a CanonicalKVCaches, its refs resolved to their tensors.
+def read_layout(kv_caches: Any) -> tuple[list[TensorGeometry], list[list[RefRow]]]:
+    """The tensors of a CanonicalKVCaches, and for each group its refs
+    resolved to their tensors.
 
     Checks the layout as it goes: tensor_idx in range, every page within a row.
     """
@@ -185,7 +261,7 @@ def read_layout(kv_caches: Any) -> list[list[RefRow]]:
                 )
             )
         groups.append(rows)
-    return groups
+    return geometries, groups
 
 
 def _page_error(
@@ -213,8 +289,11 @@ class OffloadedGeometry(NamedTuple):
     allocation: int  # as TensorGeometry.allocation
 
 
-def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometry]:
-    """Check offloaded tensors (one row per chunk); return their geometry.
+def read_offloaded(
+    tensors: Any, blocks_per_chunk: Any
+) -> tuple[list[OffloadedGeometry], tuple[MemoryRegion, ...]]:
+    """Check offloaded tensors (one row per chunk); return their geometry,
+    and the allocations they lie in (memory_regions).
 
     Each tensor may be given as is or as an object with a ``.tensor``
     attribute (a CanonicalKVCacheTensor).
@@ -223,8 +302,10 @@ def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometr
     if not 1 <= bpc < 2**63:  # the kernels take an int64
         raise LayoutError(f"blocks_per_chunk must be >= 1 and < 2**63, got {bpc}")
     geometries = []
+    tensor_geometries = []
     for t, entry in enumerate(as_list(tensors, "offloaded tensors")):
         geometry = tensor_geometry(_unwrapped(entry), t, "offloaded tensors[{}]")
+        tensor_geometries.append(geometry)
         if geometry.row_bytes % bpc:
             raise LayoutError(
                 f"offloaded tensors[{t}]: a row of {geometry.row_bytes} B does not "
@@ -244,7 +325,7 @@ def read_offloaded(tensors: Any, blocks_per_chunk: Any) -> list[OffloadedGeometr
                 allocation=geometry.allocation,
             )
         )
-    return geometries
+    return geometries, memory_regions(tensor_geometries)
 
 
 def _unwrapped(entry: Any) -> Any:

@@ -6,7 +6,7 @@ from typing import Any, NoReturn
 
 from ._args import as_int
 from ._errors import InputTypeError
-from ._geometry import OffloadedGeometry, read_offloaded
+from ._geometry import MemoryRegion, OffloadedGeometry, read_offloaded
 
 
 class OffloadedLayout:
@@ -29,19 +29,23 @@ class OffloadedLayout:
             table first plans with the layout: the layout knows no refs).
     """
 
-    __slots__ = ("blocks_per_chunk", "canonical", "geometries")
+    __slots__ = ("blocks_per_chunk", "canonical", "geometries", "memory_regions")
 
     geometries: tuple[OffloadedGeometry, ...]
     blocks_per_chunk: int
     canonical: bool
+    # The allocations the tensors lie in, one region each: what a transfer
+    # engine registers (ptrres.nixl.register).
+    memory_regions: tuple[MemoryRegion, ...]
 
     def __init__(
         self, tensors: Any, blocks_per_chunk: int, *, canonical: bool = False
     ) -> None:
         if type(canonical) is not bool:
             raise InputTypeError(f"canonical must be True or False, got {canonical!r}")
-        geometries = tuple(read_offloaded(tensors, blocks_per_chunk))
-        object.__setattr__(self, "geometries", geometries)
+        geometries, regions = read_offloaded(tensors, blocks_per_chunk)
+        object.__setattr__(self, "geometries", tuple(geometries))
+        object.__setattr__(self, "memory_regions", regions)
         object.__setattr__(
             self, "blocks_per_chunk", as_int(blocks_per_chunk, "blocks_per_chunk")
         )

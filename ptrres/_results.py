@@ -4,7 +4,8 @@ DevicePointers is what vLLM's ``resolve_device_pointers`` returns and its
 ``iter_pointer_groups`` walks; TransferPlan holds the arrays a batched copy
 takes (``cuMemcpyBatchAsync``, or vLLM's ``_swap_blocks_batch``), SPEC 1;
 StridedTransferPlan holds 2-D descriptors (``cudaMemcpy2DAsync``), SPEC 10.
-FilePlan holds the (pointer, file offset, size) ops of the file tier, SPEC 11.
+FilePlan holds the (pointer, file offset, size) ops of the file tier, SPEC 11;
+PeerTransferPlan the copies between two engines' KV caches, SPEC 14.
 """
 
 from __future__ import annotations
@@ -103,6 +104,31 @@ class StridedTransferPlan:
         dst = np.repeat(self.dst, height) + row * np.repeat(self.dst_pitch, height)
         sizes = np.repeat(self.width, height)
         return TransferPlan(src, dst, sizes, self.num_bytes)
+
+
+@dataclass(eq=False)
+class PeerTransferPlan:
+    """Copy descriptors between this engine's KV caches and a peer's (SPEC 14):
+    descriptor i pairs ``sizes[i]`` bytes at ``local[i]`` with as many at
+    ``remote[i]``, whichever way they move.
+
+    Returned by PointerTable.plan_peer_transfer(); read by
+    ptrres.nixl.peer_xfer_descs(), which makes NIXL's two descriptor lists of
+    it: the local one of ``local`` (NIXL READs into it, WRITEs from it) and
+    the remote one of ``remote``, row i of each going with row i of the other.
+    """
+
+    # This process's address of each descriptor (uint64): the local
+    # descriptor's addr.
+    local: npt.NDArray[np.uint64]
+    # The peer's address of each descriptor (uint64), in its own process: the
+    # remote descriptor's addr.
+    remote: npt.NDArray[np.uint64]
+    # Bytes of each descriptor (uint64): len on both sides.
+    sizes: npt.NDArray[np.uint64]
+    # Bytes the whole transfer moves: the sum of sizes (for an engine's
+    # transfer statistics).
+    num_bytes: int
 
 
 class DevicePointerGroupInfo(NamedTuple):

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _canonical, _files, _kernels, _mappings, _plan
+from . import _canonical, _files, _kernels, _mappings, _peer, _plan
 from ._args import (
     PTRS_SIZES,
     SPEC_FIELDS,
@@ -26,7 +26,14 @@ from ._args import (
 )
 from ._diagnose import overlap_error, resolve_error
 from ._errors import InputTypeError
-from ._geometry import RefRow, offloaded_rows, read_layout
+from ._geometry import (
+    MemoryRegion,
+    RefRow,
+    TensorGeometry,
+    memory_regions,
+    offloaded_rows,
+    read_layout,
+)
 from ._groups import (
     GroupArrays,
     GroupCounts,
@@ -36,7 +43,13 @@ from ._groups import (
 )
 from ._kernels.common import NO_CAP
 from ._offloaded import OffloadedLayout
-from ._results import DevicePointers, FilePlan, StridedTransferPlan, TransferPlan
+from ._results import (
+    DevicePointers,
+    FilePlan,
+    PeerTransferPlan,
+    StridedTransferPlan,
+    TransferPlan,
+)
 
 
 class PointerTable:
@@ -57,8 +70,12 @@ class PointerTable:
     """
 
     def __init__(self, kv_caches: Any) -> None:
-        groups = read_layout(kv_caches)
+        tensors, groups = read_layout(kv_caches)
         self._groups: tuple[tuple[RefRow, ...], ...] = tuple(map(tuple, groups))
+        self._tensors: tuple[TensorGeometry, ...] = tuple(tensors)
+        # The allocations the tensors lie in, one region each: what a transfer
+        # engine registers (ptrres.nixl.register).
+        self.memory_regions: tuple[MemoryRegion, ...] = memory_regions(tensors)
         rows = [row for group in groups for row in group]
         # One row per (group, ref) in copy order; columns are _kernels.BASE_PTR...
         self.ref_table = np.array(rows, dtype=np.int64).reshape(
@@ -86,6 +103,10 @@ class PointerTable:
         # last planned with canonically or strided (read and assigned whole).
         self._ref_mappings = _mappings.read_ref_mappings(kv_caches)
         self._canonical: _mappings.PlanTables | None = None
+        # The peer layout last planned with, once checked against this table.
+        self._peer: _peer.PeerLayout | None = None
+        # Peer plans take no offloaded chunks: every group's block index is 0.
+        self._zero_indices = (0,) * self.num_groups
 
     def __repr__(self) -> str:
         return (
@@ -267,6 +288,75 @@ class PointerTable:
             block_ids, counts, offloaded, chunk_ids, store, out, coalesce,
             max_run_bytes,
         )  # fmt: skip
+
+    def plan_peer_transfer(
+        self,
+        device_spec: Any,
+        peer: _peer.PeerLayout,
+        remote_ids: Any,
+        *,
+        coalesce: bool = False,
+        max_run_bytes: int | None = None,
+        out: Buffers | None = None,
+    ) -> PeerTransferPlan:
+        """Every copy descriptor between this engine's blocks and a peer's
+        (SPEC 14), in one pass: for group g, ref d, block k,
+        ``(local_base + local_id * local_stride, remote_base + remote_id *
+        remote_stride, page)``, ordered as resolve(): group -> ref -> block.
+
+        Every local id is checked against its ref's tensor and every remote id
+        against the peer ref's ``num_blocks``, before anything is written. The
+        plan says nothing of direction: NIXL READs the remote side into the
+        local one, or WRITEs the local side to the remote one
+        (ptrres.nixl.peer_xfer_descs).
+
+        Args:
+            device_spec: this engine's blocks, as for resolve() (its
+                block_indices play no part).
+            peer: the peer's KV caches: the same refs per group as this
+                table, with the same page per ref.
+            remote_ids: the peer's block ids, one per local block id and in
+                the same order: group by group, as the spec's group sizes say.
+            coalesce: merge descriptors that continue each other on both sides
+                (upwards or downwards, never across two allocations on either
+                side: SPEC 6), in the same pass.
+            max_run_bytes: the largest merged descriptor, when coalescing.
+            out: optional ``(local, remote, sizes)`` buffers, 1-D int64 or
+                uint64, at least as long as the number of ops (before
+                coalescing), apart from each other and from the ids.
+
+        Returns:
+            A PeerTransferPlan (local, remote, sizes, num_bytes).
+
+        Raises:
+            BlockIdError: a local id outside its tensor.
+            RemoteBlockIdError: a remote id outside its peer ref (out's first
+                entries are zeroed on either).
+            SpecError: not one remote id per local block id; malformed spec.
+            LayoutError: a peer of other refs per group or other pages.
+            InputTypeError, OutBufferError: malformed input.
+        """
+        block_ids, counts = self._read_spec(device_spec)
+        if type(coalesce) is not bool:
+            raise InputTypeError(f"coalesce must be True or False, got {coalesce!r}")
+        max_run = NO_CAP if max_run_bytes is None else max_run_arg(max_run_bytes)
+        if peer is not self._peer:
+            self._peer = _peer.check_peer(
+                peer, self._groups, self.group_data_ref_counts
+            )
+        return _peer.plan_peer(
+            self.ref_table,
+            self.group_ref_start,
+            peer,
+            groups_array(self._group_arrays, counts.group_sizes, self._zero_indices),
+            block_ids,
+            counts,
+            remote_ids,
+            out,
+            coalesce,
+            max_run,
+            self._groups,
+        )
 
     def plan_file_ops(
         self,

@@ -19,6 +19,7 @@ import torch
 from conftest import JIT_DISABLED, random_tensor
 
 import ptrres
+import ptrres.nixl
 from ptrres import _config, _warmup
 from ptrres._config import KERNELS
 
@@ -47,7 +48,13 @@ def exercise_every_kernel(id_dtype: type, dtype: torch.dtype = torch.int8) -> No
     device_ptrs = ptrres.resolve_device_pointers(spec, kv)
     table.plan_from_device_pointers(device_ptrs, offloaded, [2], store=True)
     ptrres.plan_file_ops(device_ptrs, 2, coalesce=True)
-    table.plan_file_ops(spec, 2, layout="block-major")
+    file_plan = table.plan_file_ops(spec, 2, layout="block-major")
+    # Peer plans and what NIXL takes of them (SPEC 14).
+    peer = ptrres.PeerLayout.of(table)
+    peer_plan = table.plan_peer_transfer(spec, peer, np.array([3, 4], id_dtype))
+    ptrres.nixl.peer_xfer_descs(peer_plan, local=table, remote=peer)
+    ptrres.nixl.file_xfer_descs(file_plan, [5], memory=table)
+    ptrres.nixl.prepped_indices(table, spec.block_ids, spec.group_sizes)
     # Canonical and strided plans (SPEC 10).
     mapping = ptrres.CanonicalPageMapping(
         page, page, (ptrres.CopyRun(0, 0, 1, page, 1, 1),), 2, 1, False
@@ -90,6 +97,8 @@ def test_warmup_reports_every_kernel_signature() -> None:
         "canonical_plan_kernel",
         "copy_blocks_kernel",
         "copy_block_runs_kernel",
+        "descriptor_rows_kernel",
+        "prepped_indices_kernel",
     }
     hows = {k.how for k in report.kernels}
     if JIT_DISABLED:

@@ -10,8 +10,9 @@ zeroes it. Scratch space, too, is allocated by the wrapper and passed in.
 
 One module per family: common (columns, statuses, shared helpers), resolve,
 plan, coalesce, canonical (canonical and strided plans, SPEC 10), files
-(the file tier, SPEC 11) and copy_blocks (vLLM's simple CPU offload path,
-SPEC 12). The wrappers call the kernels through this package
+(the file tier, SPEC 11), copy_blocks (vLLM's simple CPU offload path,
+SPEC 12) and nixl (NIXL's descriptor rows and prepared-list indices, SPEC
+14). The wrappers call the kernels through this package
 (as ``_kernels.resolve_kernel``), so that a benchmark may swap one in.
 
 Numba's on-disk cache of a kernel is invalidated by a change to the kernel's
@@ -38,6 +39,7 @@ from .copy_blocks import (
     copy_blocks_kernel,
 )
 from .files import BAD_OP_SIZE, FILE_TOO_LARGE, plan_file_ops_kernel
+from .nixl import descriptor_rows_kernel, prepped_indices_kernel
 from .plan import plan_kernel
 from .resolve import block_ids_from_pointers, resolve_kernel
 
@@ -58,7 +60,9 @@ __all__ = [
     "coalesce_kernel",
     "copy_block_runs_kernel",
     "copy_blocks_kernel",
+    "descriptor_rows_kernel",
     "plan_file_ops_kernel",
     "plan_kernel",
+    "prepped_indices_kernel",
     "resolve_kernel",
 ]

@@ -15,8 +15,9 @@ agree).
 One module per capability, each importing nothing of ptrres but its errors
 and result types: _resolve (resolve_device_pointers, iter_pointer_groups),
 _plans (plan_transfer), _coalesce, _files (plan_file_ops), _canonical
-(plan_canonical_transfer, plan_strided_transfer), _execute (execute,
-execute_descriptors: a plan applied to host memory, one memmove per
+(plan_canonical_transfer, plan_strided_transfer), _peer (plan_peer_transfer
+and prepped_indices: peer transfers, NIXL's prepared-list indices), _execute
+(execute, execute_descriptors: a plan applied to host memory, one memmove per
 descriptor, in order) and _input, the input checks they share.
 """
 
@@ -24,6 +25,7 @@ from ._canonical import plan_canonical_transfer, plan_strided_transfer
 from ._coalesce import coalesce
 from ._execute import execute, execute_descriptors
 from ._files import plan_file_ops
+from ._peer import plan_peer_transfer, prepped_indices
 from ._plans import plan_transfer
 from ._resolve import iter_pointer_groups, resolve_device_pointers
 
@@ -34,7 +36,9 @@ __all__ = [
     "iter_pointer_groups",
     "plan_canonical_transfer",
     "plan_file_ops",
+    "plan_peer_transfer",
     "plan_strided_transfer",
     "plan_transfer",
+    "prepped_indices",
     "resolve_device_pointers",
 ]

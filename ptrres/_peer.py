@@ -1,0 +1,296 @@
+"""Peer transfers (SPEC 14): another engine's KV caches, and plans between them.
+
+A prefill engine and a decode engine each hold their own KV caches. The peer's
+memory is in another process, known only by the numbers its handshake
+carries: a PeerLayout holds them, ref by ref, group by group, as a
+PointerTable holds this process's. PointerTable.plan_peer_transfer comes here
+with its columns and a checked spec: plan_peer() runs the plan kernel with
+the peer as the offloaded side, one block to a chunk, so that the peer's id
+of block k is its "chunk" k, checked against the peer ref's own count, and
+coalescing keeps to one allocation per side (SPEC 6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _kernels
+from ._args import (
+    INT64,
+    Buffers,
+    as_int,
+    as_list,
+    attributes,
+    block_ids_arg,
+    out_arrays,
+)
+from ._diagnose import failed_peer_plan_error
+from ._errors import InputTypeError, LayoutError, SpecError
+from ._geometry import ADDRESS_LIMIT, HOST, Groups
+from ._groups import GroupCounts
+from ._kernels.common import OFF_COLUMNS, REF_COLUMNS
+from ._plan import plan_scratch
+from ._results import PeerTransferPlan
+
+IntTable = npt.NDArray[np.int64]
+
+# What the out= buffers of plan_peer_transfer are, in order (for out_arrays).
+LOCAL_REMOTE_SIZES = ("out[0] (local)", "out[1] (remote)", "out[2] (sizes)")
+
+
+class PeerRef(NamedTuple):
+    """One ref of a peer engine's KV caches, by the numbers a handshake
+    carries (vLLM's ``NixlAgentMetadata``: ``kv_caches_base_addr``,
+    ``block_strides``, ``block_lens``, ``num_blocks``)."""
+
+    # Address of the ref's tensor (block 0) in the peer's process.
+    base_ptr: int
+    # Bytes between two of its blocks.
+    row_stride_bytes: int
+    # Bytes the ref copies per block: the same as the local ref's page.
+    page_size_bytes: int
+    # Its blocks: a remote id must be 0 <= id < num_blocks.
+    num_blocks: int
+    # HOST (-1) for host memory, else the peer's CUDA device index (NIXL's
+    # devId of its VRAM); None where unknown.
+    device: int | None = HOST
+    # Refs of one value are views of one allocation of the peer, so that a
+    # merged copy may pass from one into another; None: an allocation of its
+    # own (the safe answer: NIXL refuses a descriptor that spans two
+    # registrations).
+    allocation: int | None = None
+
+
+class PeerLayout:
+    """A peer engine's KV caches: for each group, its refs (PeerRef), in the
+    order of this engine's ``group_data_refs`` (SPEC 14).
+
+    Like a PointerTable it holds plain integers, checked once: each ref's
+    fields are integers, none negative, its page within its row stride and
+    its last block below 2**63. A plan between a table and a peer layout
+    checks that both have the same refs per group and the same page per ref,
+    then every local id against its own ref's tensor and every remote id
+    against the peer ref's ``num_blocks``.
+
+    Args:
+        group_refs: per group, its refs: PeerRefs, tuples of their fields, or
+            objects with their attribute names.
+    """
+
+    def __init__(self, group_refs: Any) -> None:
+        groups = [
+            tuple(
+                _peer_ref(ref, g, d)
+                for d, ref in enumerate(as_list(refs, f"group_refs[{g}]"))
+            )
+            for g, refs in enumerate(as_list(group_refs, "group_refs"))
+        ]
+        self.groups: tuple[tuple[PeerRef, ...], ...] = tuple(groups)
+        self.group_data_ref_counts: tuple[int, ...] = tuple(len(g) for g in groups)
+        refs = [ref for group in groups for ref in group]
+        # The refs of group g are rows group_ref_start[g]:group_ref_start[g + 1].
+        self.group_ref_start = np.cumsum(
+            (0, *self.group_data_ref_counts), dtype=np.int64
+        )
+        allocations = _allocation_ids(refs)
+        # A PointerTable's columns (BASE_PTR..., TENSOR_IDX the ref's row),
+        # for kernels that read a ref table (resolve, indices).
+        self.ref_table = np.array(
+            [
+                (r.base_ptr, r.row_stride_bytes, r.page_size_bytes, r.num_blocks, i, a)
+                for i, (r, a) in enumerate(zip(refs, allocations))
+            ],
+            dtype=np.int64,
+        ).reshape(len(refs), REF_COLUMNS)
+        # The peer as the offloaded side of the plan kernel, one block to a
+        # chunk: the remote id is the chunk (OFF_BASE_PTR...).
+        self.offloaded_refs = np.array(
+            [
+                (r.base_ptr, r.row_stride_bytes, r.page_size_bytes, r.num_blocks, a)
+                for r, a in zip(refs, allocations)
+            ],
+            dtype=np.int64,
+        ).reshape(len(refs), OFF_COLUMNS)
+
+    @classmethod
+    def of(cls, table: Any) -> PeerLayout:
+        """A table's own numbers, as its peer will know them: what this engine
+        sends in its handshake (the peer then plans against it)."""
+        devices = [geometry.device for geometry in table._tensors]
+        return cls(
+            [
+                [
+                    PeerRef(
+                        ref.base_ptr,
+                        ref.row_stride_bytes,
+                        ref.page_size_bytes,
+                        ref.num_blocks,
+                        devices[ref.tensor_idx],
+                        ref.allocation,
+                    )
+                    for ref in group
+                ]
+                for group in table._groups
+            ]
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"PeerLayout({len(self.groups)} groups, "
+            f"refs per group {self.group_data_ref_counts})"
+        )
+
+
+def _peer_ref(entry: Any, group: int, d: int) -> PeerRef:
+    """One ref of a peer, read and checked."""
+    where = f"peer group {group}, ref {d}"
+    if isinstance(entry, tuple):  # a PeerRef, or a tuple of its fields
+        if not 4 <= len(entry) <= len(PeerRef._fields):
+            raise InputTypeError(
+                f"{where}: a tuple of the 4 to 6 fields {PeerRef._fields}, got "
+                f"{len(entry)}"
+            )
+        defaults = (HOST, None)[len(entry) - 4 :]  # device, allocation
+        values = PeerRef._make((*entry, *defaults))
+    else:
+        base_ptr, row_stride, page, blocks = attributes(
+            entry, PeerRef._fields[:4], where
+        )
+        values = PeerRef(
+            base_ptr,
+            row_stride,
+            page,
+            blocks,
+            getattr(entry, "device", HOST),
+            getattr(entry, "allocation", None),
+        )
+    base, stride, page, blocks = (
+        as_int(value, "{}: {}", where, name)
+        for value, name in zip(values[:4], PeerRef._fields)
+    )
+    device = (
+        None if values.device is None else as_int(values.device, "{}: device", where)
+    )
+    allocation = values.allocation
+    if allocation is not None:
+        allocation = as_int(allocation, "{}: allocation", where)
+    if min(base, stride, page, blocks) < 0:
+        raise LayoutError(
+            f"{where}: base_ptr {base}, row_stride_bytes {stride}, page_size_bytes "
+            f"{page} and num_blocks {blocks}: none may be negative"
+        )
+    if page > stride:
+        raise LayoutError(
+            f"{where}: page_size_bytes {page} is larger than the row stride "
+            f"({stride} B)"
+        )
+    if blocks and base + (blocks - 1) * stride + page > ADDRESS_LIMIT:
+        raise LayoutError(
+            f"{where} at 0x{base:x} ({blocks} blocks, {stride} B apart) does not "
+            "lie below 2**63, the addresses ptrres computes"
+        )
+    if device is not None and device < HOST:
+        raise LayoutError(f"{where}: device {device} is neither HOST (-1) nor a GPU")
+    return PeerRef(base, stride, page, blocks, device, allocation)
+
+
+def _allocation_ids(refs: Sequence[PeerRef]) -> list[int]:
+    """The kernels' allocation of each ref: equal given values share one
+    (0, 1, ...), and each ref without one has its own (negative)."""
+    given: dict[int, int] = {}
+    ids = []
+    for i, ref in enumerate(refs):
+        if ref.allocation is None:
+            ids.append(-1 - i)
+        else:
+            ids.append(given.setdefault(ref.allocation, len(given)))
+    return ids
+
+
+def check_peer(peer: Any, ref_rows: Groups, ref_counts: tuple[int, ...]) -> PeerLayout:
+    """A peer layout that pairs with a table of these refs: the same refs per
+    group, the same page per ref (SPEC 14)."""
+    if not isinstance(peer, PeerLayout):
+        raise InputTypeError(f"peer must be a PeerLayout, got {type(peer).__name__}")
+    if peer.group_data_ref_counts != ref_counts:
+        raise LayoutError(
+            f"the peer has refs per group {peer.group_data_ref_counts}, but this "
+            f"table has {ref_counts}"
+        )
+    for group, (local_refs, peer_refs) in enumerate(zip(ref_rows, peer.groups)):
+        for d, (local, remote) in enumerate(zip(local_refs, peer_refs)):
+            if local.page_size_bytes != remote.page_size_bytes:
+                raise LayoutError(
+                    f"group {group}, ref {d}: the local page is "
+                    f"{local.page_size_bytes} B but the peer's is "
+                    f"{remote.page_size_bytes} B: a peer transfer copies the same "
+                    "page on both sides"
+                )
+    return peer
+
+
+def plan_peer(
+    ref_table: IntTable,
+    group_ref_start: IntTable,
+    peer: PeerLayout,
+    groups: IntTable,
+    block_ids: npt.NDArray[Any],
+    counts: GroupCounts,
+    remote_ids: Any,
+    out: Buffers | None,
+    coalesce: bool,
+    max_run: int,
+    ref_rows: Groups,
+) -> PeerTransferPlan:
+    """Run the plan kernel for a peer transfer, on a checked spec and peer.
+
+    Args:
+        ref_table, group_ref_start: the table's.
+        peer: check_peer()'s.
+        groups: the (2, n_groups) group sizes and zero block indices.
+        max_run: max_run_bytes as the kernels take it (max_run_arg).
+        ref_rows: the table's refs, group by group, for error messages.
+        block_ids, counts, remote_ids, out, coalesce: as
+            PointerTable.plan_peer_transfer().
+    """
+    n_ops, num_bytes, group_sizes, _ = counts
+    if block_ids.dtype is not INT64:
+        block_ids = block_ids.astype(np.int64)
+    remote = block_ids_arg(remote_ids, "remote_ids")
+    if remote.dtype is not INT64:
+        remote = remote.astype(np.int64)
+    if len(remote) != len(block_ids):
+        raise SpecError(
+            f"there are {len(remote)} remote ids but {len(block_ids)} local block "
+            "ids: each local block pairs with one remote block"
+        )
+    local_out, remote_out, sizes = out_arrays(out, n_ops, LOCAL_REMOTE_SIZES)
+    written = _kernels.plan_kernel(
+        ref_table,
+        group_ref_start,
+        peer.offloaded_refs,
+        block_ids,
+        groups,
+        remote,
+        1,  # one block to a "chunk": the remote id
+        True,  # the local side is the kernel's device side (src)
+        coalesce,
+        max_run,
+        plan_scratch(len(block_ids)),
+        local_out,
+        remote_out,
+        sizes,
+    )
+    if written < 0:
+        raise failed_peer_plan_error(
+            written, (local_out, remote_out, sizes), ref_rows, block_ids,
+            group_sizes, remote, peer.groups,
+        )  # fmt: skip
+    if written < n_ops:
+        local_out, remote_out = local_out[:written], remote_out[:written]
+        sizes = sizes[:written]
+    return PeerTransferPlan(local_out, remote_out, sizes, num_bytes)
