@@ -204,6 +204,31 @@ target.""",
         markdown=True,
     ),
     Section(
+        "nixl-transfer",
+        "NIXL transfers: vLLM's prepared indices against ptrres's",
+        """\
+[docs/nixl.md](nixl.md). Two engines in one process, one NIXL agent each
+over UCX on loopback (progress thread off), the local one READing the
+remote one's blocks with a notification, as vLLM's decode side does. Each
+transfer is built and posted four ways: (a) vLLM 0.33's numpy formula for
+prepared indices (`_compute_desc_ids`) and `make_prepped_xfer`; (b)
+`ptrres.nixl.prepped_indices` and `make_prepped_xfer`, on the same
+prepared lists (one strided row per ref); (c) `plan_peer_transfer` and
+`peer_xfer_descs` (Nx3 arrays) and `initialize_xfer`; (d) the same,
+coalesced. Ids are the shipped vLLM traces' (GPU ids local, CPU ids remote,
+by transfer size), then synthetic patterns the traces lack. `build` is ids
+to what NIXL takes, `make/init` NIXL's request, `transfer()` the post (UCX
+here moves the bytes in it: RMA over tcp/lo), `completion` the wait after;
+`posted` is NIXL's own descriptor count: `make_prepped_xfer` merges
+consecutive indices itself, `initialize_xfer` does not. Pages are the
+presets' divided by 64 (real ones would take 30 GiB), so `transfer()` and
+`completion` are per-descriptor costs, not bandwidth. Last, NIXL's POSIX
+backend against `write_files` on the same FilePlans.""",
+        ("python", "benchmarks/nixl_transfer.py"),
+        ("--quick",),
+        markdown=True,
+    ),
+    Section(
         "core-targets",
         "Resolver targets",
         """\
