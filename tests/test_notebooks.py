@@ -26,6 +26,7 @@ def test_the_notebooks_are_there() -> None:
         "03_performance",
         "04_canonical_layouts",
         "05_file_tier",
+        "06_nixl",
     ]
 
 
