@@ -260,6 +260,9 @@ def test_the_issues_hybrid_case_never_reaches_the_next_region() -> None:
             ptrres.nixl.prepped_indices(peer, np.array(ids), [1, 1])
         assert error.value.group == group
     assert ptrres.nixl.prepped_indices(peer, [3, 0], [1, 1]).tolist() == [3, 7, 8, 12]
+    # A spec says its ids and group sizes itself.
+    spec = ptrres.GPULoadStoreSpec(np.array([3, 0]), [1, 1])
+    assert ptrres.nixl.prepped_indices(peer, spec).tolist() == [3, 7, 8, 12]
 
 
 @given(peer_cases())

@@ -131,6 +131,8 @@ def register(
     """Register with ``agent`` every allocation the layouts' tensors lie in,
     one region each: DRAM for host memory, VRAM with the device for CUDA
     tensors. Regions of several layouts that overlap are registered once.
+    (A peer learns what an agent registered from its metadata: register
+    before ``get_agent_metadata()``, or send the metadata again.)
 
     Args:
         agent: a ``nixl_agent``.

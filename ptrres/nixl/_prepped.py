@@ -88,8 +88,11 @@ def prepped_indices(
 
     Args:
         layout: a PointerTable or a PeerLayout.
-        block_ids: the ids, group by group (a spec's block_ids).
-        group_sizes: ids per group (default: one group of them all).
+        block_ids: the ids, group by group; or a spec (a GPULoadStoreSpec,
+            any object with ``block_ids`` and ``group_sizes``), whose ids
+            and group sizes are taken.
+        group_sizes: ids per group (default: the spec's, or one group of
+            them all).
         out: an optional 1-D int32 buffer, at least as long as the indices;
             the result is then a view of it.
 
@@ -99,6 +102,8 @@ def prepped_indices(
         SpecError, InputTypeError, OutBufferError: malformed input.
     """
     table = _index_table(layout)
+    if group_sizes is None and hasattr(block_ids, "group_sizes"):
+        block_ids, group_sizes = block_ids.block_ids, block_ids.group_sizes
     ids = block_ids_arg(block_ids)
     ref_counts = layout.group_data_ref_counts
     sizes = (len(ids),) if group_sizes is None else group_sizes
