@@ -29,7 +29,14 @@ class OffloadedLayout:
             table first plans with the layout: the layout knows no refs).
     """
 
-    __slots__ = ("blocks_per_chunk", "canonical", "geometries", "memory_regions")
+    # __weakref__: ptrres.nixl keeps what it read of a layout by weak reference.
+    __slots__ = (
+        "__weakref__",
+        "blocks_per_chunk",
+        "canonical",
+        "geometries",
+        "memory_regions",
+    )
 
     geometries: tuple[OffloadedGeometry, ...]
     blocks_per_chunk: int

@@ -7,6 +7,7 @@ register what a layout or a set of files holds with an agent.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -55,6 +56,10 @@ def memory_of(layout: MemoryLike) -> Memory:
     """
     if isinstance(layout, Memory):
         return layout
+    try:
+        return _memories[layout]  # layouts are read-only: their memory too
+    except (KeyError, TypeError):  # not known yet, or not a layout
+        pass
     if isinstance(layout, PeerLayout):
         devices = {ref.device for group in layout.groups for ref in group}
     elif isinstance(layout, (PointerTable, OffloadedLayout)):
@@ -70,8 +75,14 @@ def memory_of(layout: MemoryLike) -> Memory:
             f"{sorted(devices, key=str)} (-1: host, None: unknown): NIXL takes "
             "one memory per side; pass a ptrres.nixl.Memory"
         )
-    device = devices.pop() if devices else HOST
-    return _memory(device)
+    memory = _memory(devices.pop() if devices else HOST)
+    _memories[layout] = memory
+    return memory
+
+
+# The memory of each layout memory_of() has read (a set over its refs or
+# regions: microseconds on a hot path that asks for it every transfer).
+_memories: weakref.WeakKeyDictionary[Any, Memory] = weakref.WeakKeyDictionary()
 
 
 def _memory(device: int | None) -> Memory:
