@@ -69,6 +69,7 @@ from ptrres.bench import (
     make_offloaded_ids,
     make_spec,
 )
+from ptrres.vllm import _handler
 
 LAYOUTS = ["llama-3.1-8b", "llama-3.1-70b-tp4", "hybrid-4x12"]
 CANONICAL_LAYOUTS = list(CANONICAL_PRESETS)
@@ -317,7 +318,7 @@ def first_transfer_child() -> dict[str, float]:
         for _ in range(51)
     )
     vllms = statistics.median(
-        time_transfers(plugin._vllm_transfer_async, handler, specs, 1)
+        time_transfers(_handler.vllm_transfer_async, handler, specs, 1)
         for _ in range(51)
     )
     plugin.unpatch()

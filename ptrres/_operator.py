@@ -1,6 +1,8 @@
 """`ptrres warmup` and `ptrres check`: what an operator runs before turning
 the vLLM plugin on (an image build filling Numba's cache; whether the plugin
-will patch vLLM here, and why). `ptrres._cli` parses their arguments."""
+will patch vLLM here, and why). `ptrres._cli` parses their arguments; what
+`ptrres check` says of vLLM, the entry point and the switches is
+`ptrres.vllm._check`'s, and this module adds Numba's findings."""
 
 from __future__ import annotations
 
@@ -8,14 +10,16 @@ import json
 import os
 import platform
 import sys
-from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from .vllm._check import Finding
 
 
 def warmup_command(processes: int | None, out: TextIO) -> int:
     """`ptrres warmup`: every kernel into Numba's cache; 1 where none can be."""
     from . import warmup
-    from .vllm import _describe_warmup
+    from .vllm._warmup import describe_warmup
 
     if processes is not None and processes < 1:
         raise SystemExit("ptrres warmup: --processes must be at least 1")
@@ -34,7 +38,7 @@ def warmup_command(processes: int | None, out: TextIO) -> int:
         )
         return 1
     report = warmup(processes=processes)
-    out.write(_describe_warmup(report) + "\n")
+    out.write(describe_warmup(report) + "\n")
     for how in ("compiled", "loaded", "ready", "interpreted"):
         kernels = [k.kernel for k in report.kernels if k.how == how]
         if kernels:
@@ -99,145 +103,14 @@ def _writable(path: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One line of `ptrres check`: what was looked at, and what was found."""
-
-    # "ok"; "warn" (the plugin patches, but something costs time); "no" (the
-    # plugin will not patch); "off" (a switch is off, by choice).
-    status: str
-    topic: str
-    detail: str
-
-
 def check_findings(*, kernels: bool = True) -> list[Finding]:
     """Everything `ptrres check` reports, in order; the plugin will patch vLLM
     when no finding says "no" or "off"."""
-    findings = _vllm_findings()
-    findings += _switch_findings()
+    from .vllm._check import switch_findings, vllm_findings
+
+    findings = vllm_findings()
+    findings += switch_findings()
     findings += _numba_findings(kernels=kernels)
-    return findings
-
-
-def _vllm_findings() -> list[Finding]:
-    import importlib.metadata
-    import importlib.util
-
-    from . import vllm as plugin
-    from ._vllm_release import SUPPORTED_VERSION
-
-    findings = []
-    tested = ", ".join(f"{release}.x" for release in plugin.SUPPORTED_VLLM)
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    if version is None:
-        findings.append(Finding("no", "vLLM", f"not installed here (tested: {tested})"))
-    elif SUPPORTED_VERSION.match(version) is None:
-        findings.append(
-            Finding("no", "vLLM", f"{version}, not a tested release ({tested})")
-        )
-    else:
-        where = importlib.util.find_spec("vllm")
-        place = f" ({os.path.dirname(where.origin)})" if where and where.origin else ""
-        findings.append(Finding("ok", "vLLM", f"{version}, a tested release{place}"))
-
-    group = "vllm.general_plugins"
-    ours = [
-        ep
-        for ep in importlib.metadata.entry_points(group=group)
-        if ep.value == "ptrres.vllm:register"
-    ]
-    if not ours:
-        findings.append(
-            Finding(
-                "no",
-                "entry point",
-                f"none in {group}: install ptrres into vLLM's environment",
-            )
-        )
-    else:
-        ep = ours[0]
-        dist = getattr(ep, "dist", None)
-        source = f", from {dist.name} {dist.version}" if dist is not None else ""
-        findings.append(
-            Finding("ok", "entry point", f"{ep.name} = {ep.value} in {group}{source}")
-        )
-        allowed = os.environ.get("VLLM_PLUGINS")
-        if allowed is None:
-            findings.append(
-                Finding("ok", "VLLM_PLUGINS", "unset: vLLM loads every general plugin")
-            )
-        elif ep.name in allowed.split(","):
-            findings.append(Finding("ok", "VLLM_PLUGINS", f"{allowed}: includes it"))
-        else:
-            findings.append(
-                Finding(
-                    "no", "VLLM_PLUGINS", f"{allowed}: vLLM will not load {ep.name!r}"
-                )
-            )
-
-    if version is not None and findings[0].status == "ok":
-        replacements, refusal = plugin._plan_replacements()
-        if refusal is None:
-            findings += _patch_findings([r.qualified_name for r in replacements])
-        else:
-            findings.append(Finding("no", "patches", f"nothing: {refusal}"))
-    return findings
-
-
-def _patch_findings(names: list[str]) -> list[Finding]:
-    """What patch() would replace: the handler's methods (and pointer_utils')
-    on one line, the simple offload path's functions on another."""
-    from ._vllm_release import SIMPLE_BACKEND_MODULES, SIMPLE_MODULE
-
-    modules = (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES)
-    simple = [n for n in names if n.rpartition(".")[0] in modules]
-    findings = [
-        Finding("ok", "patches", ", ".join(n for n in names if n not in simple))
-    ]
-    if simple:
-        functions = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n in simple))
-        where = ", ".join(
-            dict.fromkeys(n.rpartition(".")[0].rpartition(".")[2] for n in simple)
-        )
-        findings.append(
-            Finding(
-                "ok",
-                "simple offload",
-                f"{functions} (SimpleCPUOffloadConnector), in {where}",
-            )
-        )
-    return findings
-
-
-def _switch_findings() -> list[Finding]:
-    from . import vllm as plugin
-
-    switch = os.environ.get("PTRRES_VLLM")
-    off = switch is not None and switch.strip().lower() in plugin._OFF_VALUES
-    findings = [
-        Finding(
-            "off" if off else "ok",
-            "PTRRES_VLLM",
-            f"{'unset' if switch is None else switch}: the plugin is "
-            + ("off" if off else "on (PTRRES_VLLM=0 turns it off)"),
-        )
-    ]
-    coalesce = os.environ.get("PTRRES_VLLM_COALESCE")
-    findings.append(
-        Finding(
-            "ok",
-            "PTRRES_VLLM_COALESCE",
-            f"{'unset' if coalesce is None else coalesce}: coalescing "
-            + (
-                "on, where vLLM copies with cuMemcpyBatchAsync"
-                if plugin._coalesce_requested()
-                else "off (PTRRES_VLLM_COALESCE=1 turns it on)"
-            ),
-        )
-    )
     return findings
 
 
@@ -295,6 +168,8 @@ def _run_probe(*, kernels: bool) -> dict[str, Any]:
 
 
 def _numba_findings(*, kernels: bool) -> list[Finding]:
+    from .vllm._check import Finding
+
     try:
         probe = _run_probe(kernels=kernels)
     except (OSError, RuntimeError) as error:
@@ -304,6 +179,8 @@ def _numba_findings(*, kernels: bool) -> list[Finding]:
 
 def probe_findings(probe: dict[str, Any]) -> list[Finding]:
     """`ptrres check`'s findings about Numba, from a numba_probe() report."""
+    from .vllm._check import Finding
+
     findings = [Finding("ok", "numba", probe["numba"])]
     if probe["jit_disabled"]:
         findings.append(

@@ -35,9 +35,9 @@ DOCUMENTED_OPTIONS = {
     "no_cpython_wrapper",
     "no_cfunc_wrapper",
 }
-# The modules that know vLLM (the plugin: vllm.py and its _vllm_* rooms)
-# reach into vLLM's (not Numba's) privates.
-VLLM_BOUNDARY = {"vllm.py", "_vllm_release.py", "_vllm_handler.py", "_vllm_simple.py"}
+# The modules that know vLLM (the plugin: the package vllm/, a module per
+# room) reach into vLLM's (not Numba's) privates.
+VLLM_BOUNDARY = PACKAGE / "vllm"
 # Private names of the standard library that its documentation lists.
 DOCUMENTED_PRIVATE = {"os._exit", "sys._getframe"}
 
@@ -155,7 +155,8 @@ def violations(path: Path) -> list[str]:
     """Every use of Numba's internals in one module, as 'line: what'."""
     tree = ast.parse(path.read_text(), str(path))
     found, numba_names = imported_violations(tree)
-    check_private = handles_numba_objects(tree) and path.name not in VLLM_BOUNDARY
+    knows_vllm = path.is_relative_to(VLLM_BOUNDARY)
+    check_private = handles_numba_objects(tree) and not knows_vllm
     own_names = own_modules(tree) - {"KERNELS"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -163,7 +164,7 @@ def violations(path: Path) -> list[str]:
                 filter(None, [attribute_violation(node, check_private, own_names)])
             )
         elif isinstance(node, ast.Call):
-            found.extend(call_violations(node, path.name not in VLLM_BOUNDARY))
+            found.extend(call_violations(node, not knows_vllm))
         elif isinstance(node, ast.Dict):
             keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
             if "cache" in keys or "nogil" in keys:  # a dict of Numba options

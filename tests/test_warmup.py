@@ -68,7 +68,7 @@ def exercise_every_kernel(id_dtype: type, dtype: torch.dtype = torch.int8) -> No
         table.plan_strided_transfer(spec, layout, np.array([2], id_dtype), store=True)
     table.plan_transfer(spec, canonical, [2], store=False, coalesce=True)
     # vLLM's simple offload path: copy_blocks' descriptors, merged or not.
-    from ptrres._vllm_simple import CopyPlan, block_ids_array
+    from ptrres.vllm._simple import CopyPlan, block_ids_array
 
     params = SimpleNamespace(
         src_bases=np.array([tensor.data_ptr()], np.uint64),

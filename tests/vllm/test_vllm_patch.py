@@ -20,7 +20,8 @@ from vllm_harness import worker
 
 import ptrres
 import ptrres.vllm as plugin
-from ptrres._vllm_release import optional_module
+from ptrres.vllm import _handler, _patching, _state
+from ptrres.vllm._release import optional_module
 
 ROOT = Path(__file__).resolve().parents[2]
 Handler = worker.SingleDirectionOffloadingHandler
@@ -30,7 +31,7 @@ POINTER_UTILS = "vllm.v1.kv_offload.pointer_utils"
 @pytest.fixture(autouse=True)
 def _unpatched() -> Iterator[None]:
     plugin.unpatch()
-    plugin._warned.clear()
+    _patching._warned.clear()
     yield
     plugin.unpatch()
 
@@ -54,7 +55,7 @@ def test_patch_replaces_the_handlers_methods_and_unpatch_restores_them() -> None
     assert not plugin.is_patched()
     assert plugin.patch() == HANDLER_PATCHES
     assert plugin.is_patched()
-    assert vars(Handler)["transfer_async"] is plugin.transfer_async
+    assert vars(Handler)["transfer_async"] is _handler.transfer_async
     assert vars(Handler)["__init__"] is not original_init
     # The patched constructor takes (and shows) this release's arguments.
     assert inspect.signature(Handler) == vllm_signature
@@ -207,7 +208,7 @@ def test_each_release_is_held_to_its_own_constructor(
         monkeypatch.setattr(vllm, "__version__", f"{other}.0")
         assert_warns_once(r"__init__ has the signature")
         assert_untouched(original)
-        plugin._warned.clear()
+        _patching._warned.clear()
 
 
 def test_another_signature_leaves_everything_alone(
@@ -289,7 +290,7 @@ def test_register_reports_among_vllms_lines_when_nobody_handles_ptrres(
             records.append(record)
 
     monkeypatch.delenv("PTRRES_VLLM", raising=False)
-    monkeypatch.setattr(plugin.logger, "hasHandlers", lambda: False)
+    monkeypatch.setattr(_state.logger, "hasHandlers", lambda: False)
     child = logging.getLogger("vllm.ptrres")
     handler = Collect(logging.INFO)
     child.addHandler(handler)
@@ -318,7 +319,7 @@ def test_register_never_raises(
     def broken() -> list[str]:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(plugin, "patch", broken)
+    monkeypatch.setattr(_patching, "patch", broken)
     with caplog.at_level(logging.WARNING, logger="ptrres.vllm"):
         plugin.register()
     assert "could not patch vLLM" in caplog.text

@@ -39,7 +39,8 @@ from vllm_harness import (
 
 import ptrres
 import ptrres.vllm as plugin
-from ptrres._vllm_simple import PLAN_ATTRIBUTE, CopyBlockIdError
+from ptrres.vllm import _hook, _patching, _warmup
+from ptrres.vllm._simple import PLAN_ATTRIBUTE, CopyBlockIdError
 
 ROOT = Path(__file__).resolve().parents[2]
 Handler = worker.SingleDirectionOffloadingHandler
@@ -59,7 +60,7 @@ def _unpatched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every test starts and ends with vLLM as it ships, coalescing off."""
     monkeypatch.delenv("PTRRES_VLLM_COALESCE", raising=False)
     plugin.unpatch()
-    plugin._warned.clear()
+    _patching._warned.clear()
     yield
     plugin.unpatch()
 
@@ -505,7 +506,7 @@ def test_params_ptrres_cannot_prepare_keep_vllms_copies(
     def broken_warmup(**kwargs: Any) -> Any:
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(plugin, "warmup", broken_warmup)
+    monkeypatch.setattr(_warmup, "warmup", broken_warmup)
     with stubbed_simple() as driver, caplog.at_level(logging.WARNING, "ptrres"):
         plugin.patch()
         params = cuda_mem_ops.build_params(
@@ -675,7 +676,7 @@ else:
     import ptrres.vllm
     ptrres.vllm.register()
 import ptrres.vllm as plugin
-from ptrres._vllm_release import PATCH_TRIGGERS, SIMPLE_MODULE
+from ptrres.vllm._release import PATCH_TRIGGERS, SIMPLE_MODULE
 registered = {
     "numba": "numba" in sys.modules,
     "kernels": "ptrres._kernels" in sys.modules,
@@ -803,7 +804,7 @@ def triggers(
         f"import ptrres.vllm, {inner}\nPATCHED = ptrres.vllm.is_patched()\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(plugin, "PATCH_TRIGGERS", (outer, inner))
+    monkeypatch.setattr(_patching, "PATCH_TRIGGERS", (outer, inner))
     monkeypatch.delenv("PTRRES_VLLM", raising=False)
     yield outer, inner
     for name in (outer, inner):
@@ -811,7 +812,7 @@ def triggers(
 
 
 def hooks() -> list[Any]:
-    return [f for f in sys.meta_path if isinstance(f, plugin._PatchOnImport)]
+    return [f for f in sys.meta_path if isinstance(f, _hook.PatchOnImport)]
 
 
 def test_register_patches_once_the_last_trigger_has_run(
@@ -861,6 +862,6 @@ def test_the_wrapped_loader_answers_as_the_modules_own() -> None:
 
     spec = importlib.machinery.PathFinder.find_spec("json")
     assert spec is not None
-    wrapped = plugin._ThenPatch(spec.loader)
+    wrapped = _hook.ThenPatch(spec.loader)
     assert wrapped.is_package("json") is spec.loader.is_package("json")  # type: ignore[union-attr]
     assert wrapped.get_filename("json") == spec.origin

@@ -23,6 +23,7 @@ from vllm_harness import CopyEngine, specs, stubbed_vllm, worker
 import ptrres
 import ptrres.vllm as plugin
 from ptrres._config import KERNELS
+from ptrres.vllm import _handler, _warmup
 
 ROOT = Path(__file__).resolve().parents[2]
 JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
@@ -33,7 +34,7 @@ CPU_IDS = [5, 2, 7]
 @pytest.fixture(autouse=True)
 def _unpatched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     plugin.unpatch()
-    monkeypatch.setattr(plugin, "_warmup_logged", False)
+    monkeypatch.setattr(_warmup, "_warmup_logged", False)
     yield
     plugin.unpatch()
 
@@ -57,7 +58,7 @@ def test_the_constructor_warms_up_then_builds_the_plan(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     events: list[str] = []
-    real_warmup, real_plan = ptrres.warmup, plugin._handler_plan
+    real_warmup, real_plan = ptrres.warmup, _handler._handler_plan
 
     def recorded_warmup(**kwargs: Any) -> ptrres.WarmupReport:
         events.append("warmup")
@@ -67,8 +68,8 @@ def test_the_constructor_warms_up_then_builds_the_plan(
         events.append("plan")
         return real_plan(handler)
 
-    monkeypatch.setattr(plugin, "warmup", recorded_warmup)
-    monkeypatch.setattr(plugin, "_handler_plan", recorded_plan)
+    monkeypatch.setattr(_warmup, "warmup", recorded_warmup)
+    monkeypatch.setattr(_handler, "_handler_plan", recorded_plan)
     with stubbed_vllm():
         plugin.patch()
         handler = two_group_layout().handler(True)
@@ -123,7 +124,7 @@ def test_register_alone_compiles_nothing(monkeypatch: pytest.MonkeyPatch) -> Non
     def no_warmup(**kwargs: Any) -> Any:
         raise AssertionError("register() must not warm up")
 
-    monkeypatch.setattr(plugin, "warmup", no_warmup)
+    monkeypatch.setattr(_warmup, "warmup", no_warmup)
     monkeypatch.delenv("PTRRES_VLLM", raising=False)
     plugin.register()
     assert plugin.is_patched()
@@ -135,7 +136,7 @@ def test_ptrres_vllm_0_builds_vllms_handler_alone(
     def no_warmup(**kwargs: Any) -> Any:
         raise AssertionError("PTRRES_VLLM=0 must not warm up")
 
-    monkeypatch.setattr(plugin, "warmup", no_warmup)
+    monkeypatch.setattr(_warmup, "warmup", no_warmup)
     monkeypatch.setenv("PTRRES_VLLM", "0")
     plugin.register()
     with stubbed_vllm():
@@ -166,11 +167,11 @@ def test_a_handler_ptrres_cannot_plan_for_keeps_vllms_transfers(
         def broken_warmup(**kwargs: Any) -> Any:
             raise RuntimeError("no compiler here")
 
-        monkeypatch.setattr(plugin, "warmup", broken_warmup)
+        monkeypatch.setattr(_warmup, "warmup", broken_warmup)
         reason = "no compiler here"
     else:
-        attributes = (*plugin._HANDLER_ATTRIBUTES, "_no_such_pool")
-        monkeypatch.setattr(plugin, "_HANDLER_ATTRIBUTES", attributes)
+        attributes = (*_handler._HANDLER_ATTRIBUTES, "_no_such_pool")
+        monkeypatch.setattr(_handler, "_HANDLER_ATTRIBUTES", attributes)
         reason = "the handler has no _no_such_pool"
     engine = CopyEngine()
     fills: list[int] = []
@@ -178,7 +179,7 @@ def test_a_handler_ptrres_cannot_plan_for_keeps_vllms_transfers(
         src, dst = specs(*IDS, CPU_IDS, gpu_to_cpu=True)
         plugin.patch()
         handler = two_group_layout().handler(True)
-        assert handler._ptrres_plan == plugin._DECLINED
+        assert handler._ptrres_plan == _handler._DECLINED
         original_fill = handler._fill_group_ops
 
         def counted_fill(*args: Any, **kwargs: Any) -> Any:
@@ -203,6 +204,7 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 import vllm.plugins
 vllm.plugins.load_general_plugins()
 import ptrres.vllm as plugin
+from ptrres.vllm import _handler
 from test_vllm_startup import kernel_state, IDS, CPU_IDS
 from test_vllm_handler import transfer, two_group_layout
 from vllm_harness import CopyEngine, specs, stubbed_vllm
@@ -217,7 +219,7 @@ with stubbed_vllm(engine):
     ours = transfer(handler, engine, 1, src, dst)
     first = time.perf_counter() - start
     after, imported = kernel_state(), sorted(set(sys.modules) - modules)
-    vllms = plugin._vllm_transfer_async(handler, 2, src, dst)
+    vllms = _handler.vllm_transfer_async(handler, 2, src, dst)
     handler.get_finished()
 print(json.dumps({
     "patched": plugin.is_patched(),

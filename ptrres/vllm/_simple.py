@@ -17,9 +17,9 @@ driver) and submits exactly as vLLM does: the module's own ``_batch_memcpy``,
 the same chunks, the same arguments, the same error. Optionally (coalesce)
 consecutive blocks merge into one descriptor per run and layer.
 
-``ptrres.vllm`` decides what to replace and when; this module reads vLLM only
-through the objects it is given, and imports the kernels (and so numba) only
-when the first params are built.
+``ptrres.vllm._patching`` decides what to replace and when; this module reads
+vLLM only through the objects it is given, and imports the kernels (and so
+numba) only when the first params are built.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import BlockIdError, InputTypeError, SpecError
+from .._errors import BlockIdError, InputTypeError, SpecError
 
 # Lists of ids up to this long convert through np.asarray (the fastest for
 # them); longer ones through array.array, about twice as fast as numpy's
@@ -107,8 +107,8 @@ class CopyPlan:
         coalesce: bool,
     ) -> None:
         # numba and the kernels: the first params pay for them.
-        from . import _kernels
-        from ._kernels import copy_blocks as columns
+        from .. import _kernels
+        from .._kernels import copy_blocks as columns
 
         # vLLM's own bases and bytes per block, so that the bytes are its,
         # and each layer's tensors' blocks (vLLM zips the two dicts' values).
