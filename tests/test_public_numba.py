@@ -230,14 +230,23 @@ def test_public_use_is_not_flagged(tmp_path: Path) -> None:
 
 
 def test_the_declared_numba_range_is_the_tested_range() -> None:
-    """pyproject.toml's lower bound is the lowest numba .ci/numba-matrix runs,
-    which also runs vLLM's pin; there is no upper cap (CI runs the newest)."""
+    """pyproject.toml's lower bound is the lowest numba .ci/numba-matrix runs;
+    .ci/vllm-releases runs it on vLLM's pin, in the releases' venv; there is
+    no upper cap (CI runs the newest)."""
     root = PACKAGE.parent
     pyproject = (root / "pyproject.toml").read_text()
     [requirement] = re.findall(r'"numba([<>=!~][^"]*)"', pyproject)
     matrix = (root / ".ci" / "numba-matrix").read_text()
     [defaults] = re.findall(r"versions=\(([\d. ]+)\)", matrix)
-    tested = sorted(defaults.split(), key=lambda v: tuple(map(int, v.split("."))))
+    releases = (root / ".ci" / "vllm-releases").read_text()
+    [pin] = re.findall(r"^NUMBA=([\d.]+)$", releases, re.M)
+    assert pin == "0.65.0"  # vLLM 0.30-0.33 pin it
+    assert '.ci/numba-matrix "$NUMBA"' in releases
+    assert f"numba=={pin}" in (root / ".ci" / "vllm-requirements.txt").read_text()
+    tested = sorted(
+        [*defaults.split(), pin], key=lambda v: tuple(map(int, v.split(".")))
+    )
     assert requirement == f">={tested[0]}"
-    assert "0.65.0" in tested  # vLLM 0.30-0.33 pin it
-    assert "\n.ci/numba-matrix\n" in (root / ".ci" / "run").read_text()
+    run = (root / ".ci" / "run").read_text()
+    assert "\n.ci/numba-matrix\n" in run
+    assert "\n.ci/vllm-releases\n" in run
