@@ -298,8 +298,18 @@ def test_check_says_the_plugin_will_patch(vllm_env: Any) -> None:
         "SingleDirectionOffloadingHandler.__init__, "
         "SingleDirectionOffloadingHandler.transfer_async",
     )
+    assert findings["NIXL connector"] == (
+        "ok",
+        "NixlBaseConnectorWorker.__init__, NixlBaseConnectorWorker._compute_desc_ids, "
+        "NixlPullConnectorWorker._read_blocks, NixlPushConnectorWorker._xfer_blocks "
+        "(NixlConnector, pull and push): every block id checked on both sides",
+    )
     assert findings["PTRRES_VLLM"][1].startswith("unset: the plugin is on")
     assert findings["PTRRES_VLLM_COALESCE"][1].startswith("unset: coalescing off")
+    assert findings["PTRRES_VLLM_NIXL"] == (
+        "ok",
+        "unset: vLLM's NIXL connector is patched (PTRRES_VLLM_NIXL=0 leaves it alone)",
+    )
     assert findings["numba"] == ("ok", numba.__version__)
     if JIT_DISABLED:
         assert findings["Numba cache"][0] == "warn"

@@ -55,6 +55,13 @@ def exercise_every_kernel(id_dtype: type, dtype: torch.dtype = torch.int8) -> No
     ptrres.nixl.peer_xfer_descs(peer_plan, local=table, remote=peer)
     ptrres.nixl.file_xfer_descs(file_plan, [5], memory=table)
     ptrres.nixl.prepped_indices(table, spec.block_ids, spec.group_sizes)
+    # vLLM's NixlConnector's descriptor ids (ptrres.vllm._nixl).
+    from ptrres import _kernels
+
+    ids = np.array([1, 7], np.int64)
+    _kernels.desc_ids_kernel(
+        ids, np.array([0, 2], np.int64), np.array([[-1, 0, 8]], np.int64), ids * 0
+    )
     # Canonical and strided plans (SPEC 10).
     mapping = ptrres.CanonicalPageMapping(
         page, page, (ptrres.CopyRun(0, 0, 1, page, 1, 1),), 2, 1, False
@@ -99,6 +106,7 @@ def test_warmup_reports_every_kernel_signature() -> None:
         "copy_block_runs_kernel",
         "descriptor_rows_kernel",
         "prepped_indices_kernel",
+        "desc_ids_kernel",
     }
     hows = {k.how for k in report.kernels}
     if JIT_DISABLED:

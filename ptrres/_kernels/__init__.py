@@ -39,7 +39,7 @@ from .copy_blocks import (
     copy_blocks_kernel,
 )
 from .files import BAD_OP_SIZE, FILE_TOO_LARGE, plan_file_ops_kernel
-from .nixl import descriptor_rows_kernel, prepped_indices_kernel
+from .nixl import desc_ids_kernel, descriptor_rows_kernel, prepped_indices_kernel
 from .plan import plan_kernel
 from .resolve import block_ids_from_pointers, resolve_kernel
 
@@ -60,6 +60,7 @@ __all__ = [
     "coalesce_kernel",
     "copy_block_runs_kernel",
     "copy_blocks_kernel",
+    "desc_ids_kernel",
     "descriptor_rows_kernel",
     "plan_file_ops_kernel",
     "plan_kernel",

@@ -6,6 +6,8 @@ transfer's block ids into indices into a prepared descriptor list of one
 strided row per ref (``prep_xfer_dlist``, ``make_prepped_xfer``): ref-major,
 ``first index of the ref + block id``, every id checked against its own
 ref's block count, so that no index lands in another ref's descriptors.
+desc_ids_kernel does the same in vLLM's NixlConnector's index space (one
+region per layer, ``ptrres.vllm._nixl``).
 """
 
 from __future__ import annotations
@@ -108,3 +110,56 @@ def prepped_indices_kernel(
             op += n_blocks
         first_id += n_blocks
     return np.int64(op)
+
+
+# Columns of a row of desc_ids_kernel's segments.
+SEGMENT_GROUP = 0  # the group whose ids it indexes, or ALL_GROUPS
+SEGMENT_FIRST = 1  # the first descriptor of its region
+SEGMENT_COUNT = 2  # the region's descriptors: an id must be 0 <= id < this
+SEGMENT_COLUMNS = 3
+# SEGMENT_GROUP of a segment that indexes every group's ids, concatenated.
+ALL_GROUPS = -1
+
+
+@kernel("int64(int64[::1], int64[::1], int64[:, ::1], int64[::1])")
+def desc_ids_kernel(
+    block_ids: IntArray, group_starts: IntArray, segments: IntArray, desc_ids: IntArray
+) -> int:
+    """Fill vLLM's NixlConnector descriptor ids: for each segment in turn, the
+    ids of its group (or of every group), each plus its region's first
+    descriptor, every id checked against the region's count.
+
+    Args:
+        block_ids: every group's ids, concatenated.
+        group_starts: group g's ids are block_ids[group_starts[g]:
+            group_starts[g + 1]] (one entry more than groups).
+        segments: (n, SEGMENT_COLUMNS), in the order of the output.
+        desc_ids: the output, at least as long as the segments' ids.
+
+    Returns:
+        The number of ids written, BAD_BLOCK_ID (an id outside its region)
+        or OVERLAPPING_BUFFERS.
+    """
+    if overlaps(desc_ids, block_ids):
+        return OVERLAPPING_BUFFERS
+    written = 0
+    for segment in range(segments.shape[0]):
+        group = segments[segment, SEGMENT_GROUP]
+        start, stop = 0, block_ids.shape[0]
+        if group != ALL_GROUPS:
+            start, stop = group_starts[group], group_starts[group + 1]
+        first = segments[segment, SEGMENT_FIRST]
+        count = np.uint64(segments[segment, SEGMENT_COUNT])
+        # As in resolve_kernel: the check accumulates without a branch, so that
+        # the loop vectorises, and a bad id counts as 0.
+        out_of_range = False
+        shift = written - start
+        for k in range(start, stop):
+            block_id = block_ids[k]
+            bad = np.uint64(block_id) >= count
+            out_of_range |= bad
+            desc_ids[shift + k] = first + (0 if bad else block_id)
+        if out_of_range:
+            return BAD_BLOCK_ID
+        written += stop - start
+    return np.int64(written)

@@ -1,8 +1,9 @@
 """What ``ptrres check`` says of vLLM and of the plugin's switches: the vLLM
 found and whether it is a tested release, whether vLLM sees the plugin's
-entry point, what patch() would replace (or why nothing), and PTRRES_VLLM and
-PTRRES_VLLM_COALESCE. ``ptrres._operator`` adds Numba's findings and prints
-them all; a Finding is one line of that report.
+entry point, what patch() would replace (or why nothing), and the switches
+PTRRES_VLLM, PTRRES_VLLM_COALESCE and PTRRES_VLLM_NIXL. ``ptrres._operator``
+adds Numba's findings and prints them all; a Finding is one line of that
+report.
 
 Importing this module imports neither vLLM nor numba: the findings import
 vLLM's offloading modules only where a tested vLLM is installed.
@@ -16,11 +17,15 @@ from dataclasses import dataclass
 from . import _state
 from ._patching import plan_replacements
 from ._release import (
+    NIXL_METHODS,
     SIMPLE_BACKEND_MODULES,
     SIMPLE_MODULE,
     SUPPORTED_VERSION,
     SUPPORTED_VLLM,
 )
+
+# The NIXL connector's classes patch() replaces methods of.
+NIXL_CLASSES = {class_name for _, class_name, _ in NIXL_METHODS}
 
 
 @dataclass(frozen=True)
@@ -103,11 +108,17 @@ def vllm_findings() -> list[Finding]:
 
 def _patch_findings(names: list[str]) -> list[Finding]:
     """What patch() would replace: the handler's methods (and pointer_utils')
-    on one line, the simple offload path's functions on another."""
+    on one line, the simple offload path's functions on another, the NIXL
+    connector's methods on a third."""
     modules = (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES)
     simple = [n for n in names if n.rpartition(".")[0] in modules]
+    nixl = [n for n in names if n.split(".")[0] in NIXL_CLASSES]
     findings = [
-        Finding("ok", "patches", ", ".join(n for n in names if n not in simple))
+        Finding(
+            "ok",
+            "patches",
+            ", ".join(n for n in names if n not in simple and n not in nixl),
+        )
     ]
     if simple:
         functions = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n in simple))
@@ -121,11 +132,30 @@ def _patch_findings(names: list[str]) -> list[Finding]:
                 f"{functions} (SimpleCPUOffloadConnector), in {where}",
             )
         )
+    if nixl:
+        findings.append(
+            Finding(
+                "ok",
+                "NIXL connector",
+                f"{', '.join(nixl)} (NixlConnector, pull and push): every block "
+                "id checked on both sides",
+            )
+        )
+    elif not _state.nixl_requested():
+        findings.append(
+            Finding(
+                "off",
+                "NIXL connector",
+                "left as vLLM has it: its block ids are not checked "
+                "(PTRRES_VLLM_NIXL=0)",
+            )
+        )
     return findings
 
 
 def switch_findings() -> list[Finding]:
-    """The switches: PTRRES_VLLM (on or off), PTRRES_VLLM_COALESCE."""
+    """The switches: PTRRES_VLLM (on or off), PTRRES_VLLM_COALESCE,
+    PTRRES_VLLM_NIXL."""
     switch = os.environ.get("PTRRES_VLLM")
     off = switch is not None and switch.strip().lower() in _state.OFF_VALUES
     findings = [
@@ -146,6 +176,19 @@ def switch_findings() -> list[Finding]:
                 "on, where vLLM copies with cuMemcpyBatchAsync"
                 if _state.coalesce_requested()
                 else "off (PTRRES_VLLM_COALESCE=1 turns it on)"
+            ),
+        )
+    )
+    nixl = os.environ.get("PTRRES_VLLM_NIXL")
+    findings.append(
+        Finding(
+            "ok" if _state.nixl_requested() else "off",
+            "PTRRES_VLLM_NIXL",
+            f"{'unset' if nixl is None else nixl}: vLLM's NIXL connector is "
+            + (
+                "patched (PTRRES_VLLM_NIXL=0 leaves it alone)"
+                if _state.nixl_requested()
+                else "left alone"
             ),
         )
     )

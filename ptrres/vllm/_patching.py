@@ -20,13 +20,16 @@ import os
 import sys
 import warnings
 from types import ModuleType
+from typing import Any
 
 from . import _state
 from ._hook import PatchOnImport
 from ._release import (
+    NIXL_BASE_MODULE,
     PATCH_TRIGGERS,
     POINTER_UTILS_MODULE,
     find_handler,
+    find_nixl_path,
     find_simple_path,
     optional_module,
     parameter_names,
@@ -202,6 +205,11 @@ def plan_replacements() -> tuple[list[Replacement], str | None]:
     if isinstance(simple, str):
         return [], simple
     replacements += _simple_replacements(*simple)
+    if _state.nixl_requested():
+        nixl = find_nixl_path()
+        if isinstance(nixl, str):
+            return [], nixl
+        replacements += _nixl_replacements(nixl)
     return replacements, None
 
 
@@ -233,6 +241,38 @@ def _simple_replacements(
         )
         for owner in (mem_ops, *backends)
     ]
+
+
+def _nixl_replacements(found: dict[str, Any]) -> list[Replacement]:
+    """The NIXL connector's worker: its __init__ (vLLM's, then the kernels
+    made ready), its _compute_desc_ids (every id checked), and the pull and
+    push workers' _read_blocks and _xfer_blocks (vLLM's, the transfer named
+    for the log)."""
+    from . import _nixl
+    from ._warmup import warm_up_kernels
+
+    base = found["NixlBaseConnectorWorker"]
+    original = vars(base)["_compute_desc_ids"]
+    compute_desc_ids, wrap = _nixl.patched_functions(
+        _nixl.NixlPatch(
+            base_worker=found[NIXL_BASE_MODULE],
+            vllm_compute_desc_ids=original,
+            active=is_patched,
+        )
+    )
+    init = vars(base)["__init__"]
+    replacements = [
+        Replacement(base, "__init__", init, _nixl.patched_init(init, warm_up_kernels)),
+        Replacement(base, "_compute_desc_ids", original, compute_desc_ids),
+    ]
+    for class_name, name in (
+        ("NixlPullConnectorWorker", "_read_blocks"),
+        ("NixlPushConnectorWorker", "_xfer_blocks"),
+    ):
+        owner = found[class_name]
+        method = vars(owner)[name]
+        replacements.append(Replacement(owner, name, method, wrap(method)))
+    return replacements
 
 
 def _decline_params(error: BaseException) -> None:

@@ -55,10 +55,23 @@ SIMPLE_BACKEND_MODULES = (
     "vllm.v1.simple_kv_offload.copy_backend",
     "vllm.v1.simple_kv_offload.disk_backend",
 )
-# The modules whose import by vLLM means this process may offload: register()
-# patches when vLLM first imports one of them (cuda_mem_ops alone does not
-# count: vLLM also imports it for pin_tensor).
-PATCH_TRIGGERS = (WORKER_MODULE, *SIMPLE_BACKEND_MODULES)
+# vLLM's NIXL connector (prefill/decode disaggregation): the module that
+# turns block ids into descriptor ids (NixlBaseConnectorWorker), and the pull
+# (READ) and push (WRITE) workers that call it. Their signatures are the same
+# in 0.30.0 to 0.33.0.
+NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+NIXL_BASE_MODULE = f"{NIXL_PACKAGE}.base_worker"
+NIXL_PULL_MODULE = f"{NIXL_PACKAGE}.pull_worker"
+NIXL_PUSH_MODULE = f"{NIXL_PACKAGE}.push_worker"
+# The modules whose import by vLLM means this process may move KV blocks:
+# register() patches when vLLM first imports one of them (cuda_mem_ops alone
+# does not count: vLLM also imports it for pin_tensor).
+PATCH_TRIGGERS = (
+    WORKER_MODULE,
+    *SIMPLE_BACKEND_MODULES,
+    NIXL_PULL_MODULE,
+    NIXL_PUSH_MODULE,
+)
 
 
 # vLLM names whose signatures the patched transfer_async relies on, the same
@@ -169,6 +182,79 @@ def find_simple_path() -> tuple[ModuleType, tuple[ModuleType, ...]] | str:
             if getattr(backend, name, None) is not getattr(mem_ops, name):
                 return f"{backend.__name__}.{name} is not {SIMPLE_MODULE}.{name}"
     return mem_ops, tuple(backends)
+
+
+# The NIXL connector's methods the patch replaces or wraps: (module, class,
+# method) and their parameters in every tested release.
+_TRANSFER_PARAMETERS = [
+    "self",
+    "read_spec",
+    "dst_engine_id",
+    "request_id",
+    "remote_request_id",
+    "local_xfer_side_handle",
+]
+NIXL_METHODS: dict[tuple[str, str, str], list[str]] = {
+    (NIXL_BASE_MODULE, "NixlBaseConnectorWorker", "__init__"): [
+        "self",
+        "vllm_config",
+        "engine_id",
+        "kv_cache_config",
+    ],
+    (NIXL_BASE_MODULE, "NixlBaseConnectorWorker", "_compute_desc_ids"): [
+        "self",
+        "block_ids",
+        "dst_num_blocks",
+        "block_size_ratio",
+        "physical_blocks_per_logical",
+        "region_num_blocks",
+        "region_group_ids",
+        "uses_region_group_mapping",
+    ],
+    (NIXL_PULL_MODULE, "NixlPullConnectorWorker", "_read_blocks"): [
+        *_TRANSFER_PARAMETERS,
+        "local_dram_handle",
+        "remote_xfer_side_handle",
+        "expected_consumers",
+        "awaiting_kvs",
+    ],
+    (NIXL_PUSH_MODULE, "NixlPushConnectorWorker", "_xfer_blocks"): [
+        *_TRANSFER_PARAMETERS,
+        "remote_xfer_side_handle",
+    ],
+}
+# What the patched _compute_desc_ids reads of base_worker (vLLM's own tests
+# of a group's spec type).
+NIXL_BASE_NAMES = ("_is_attention_spec", "_is_ssm_spec", "CircularBufferSpec")
+
+
+def find_nixl_path() -> dict[str, Any] | str:
+    """vLLM's NIXL connector: base_worker, and each class of NIXL_METHODS by
+    name; or why it cannot be patched (a module that does not import, a name
+    or signature not the tested releases', a subclass that overrides
+    _compute_desc_ids). Call it after find_handler(): it checks no version."""
+    found: dict[str, Any] = {}
+    for (module_name, class_name, method), expected in NIXL_METHODS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as error:  # its own imports may fail, not only ImportError
+            return f"{module_name} cannot be imported ({error!r})"
+        owner = getattr(module, class_name, None)
+        if not isinstance(owner, type):
+            return f"{module_name}.{class_name} is missing"
+        refusal = signature_refusal(owner, method, expected)
+        if refusal is not None:
+            return refusal
+        found[class_name] = owner
+        found[module_name] = module
+    base = found[NIXL_BASE_MODULE]
+    for name in NIXL_BASE_NAMES:
+        if not hasattr(base, name):
+            return f"{NIXL_BASE_MODULE}.{name} is missing"
+    for class_name in ("NixlPullConnectorWorker", "NixlPushConnectorWorker"):
+        if "_compute_desc_ids" in vars(found[class_name]):
+            return f"{class_name} has a _compute_desc_ids of its own"
+    return found
 
 
 def _parameters(function: Any) -> list[tuple[str, Any]]:

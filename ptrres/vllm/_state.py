@@ -1,7 +1,7 @@
 """What the vLLM plugin keeps in a process, which every vLLM path reads:
 the attributes patch() replaced (none while unpatched), the lock that
 patch(), unpatch() and the import hook take, the logger, and the switches
-``PTRRES_VLLM`` and ``PTRRES_VLLM_COALESCE``.
+``PTRRES_VLLM``, ``PTRRES_VLLM_COALESCE`` and ``PTRRES_VLLM_NIXL``.
 
 ``ptrres.vllm._patching`` alone sets ``applied``; the paths read it at every
 call, so that a handler or params built before unpatch() keep vLLM's copies
@@ -54,6 +54,11 @@ def is_patched() -> bool:
 def reporter() -> logging.Logger:
     """ptrres's logger, or vLLM's child logger where nothing handles ptrres's."""
     return logger if logger.hasHandlers() else logging.getLogger(_VLLM_CHILD_LOGGER)
+
+
+def nixl_requested() -> bool:
+    """Whether the NIXL connector is patched too (PTRRES_VLLM_NIXL=0: not)."""
+    return os.environ.get("PTRRES_VLLM_NIXL", "1").strip().lower() not in OFF_VALUES
 
 
 def coalesce_requested() -> bool:

@@ -45,6 +45,11 @@ HANDLER_PATCHES = [
         for name in ("build_params", "copy_blocks")
         for module in ("cuda_mem_ops", "copy_backend", "disk_backend")
     ),
+    # The NIXL connector's (tests/vllm/test_vllm_nixl.py).
+    "NixlBaseConnectorWorker.__init__",
+    "NixlBaseConnectorWorker._compute_desc_ids",
+    "NixlPullConnectorWorker._read_blocks",
+    "NixlPushConnectorWorker._xfer_blocks",
 ]
 
 

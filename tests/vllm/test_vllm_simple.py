@@ -103,7 +103,8 @@ def test_patch_replaces_both_functions_wherever_vllm_looks_them_up() -> None:
         for n in ("build_params", "copy_blocks")
     }
     patched = plugin.patch()
-    assert patched[-len(SIMPLE_PATCHES) :] == SIMPLE_PATCHES
+    first = patched.index(SIMPLE_PATCHES[0])
+    assert patched[first : first + len(SIMPLE_PATCHES)] == SIMPLE_PATCHES
     for name in ("build_params", "copy_blocks"):
         ours = getattr(cuda_mem_ops, name)
         assert ours is not originals[(cuda_mem_ops.__name__, name)]
