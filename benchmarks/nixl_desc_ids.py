@@ -1,0 +1,642 @@
+"""vLLM's NIXL index path, patched against vLLM's own (issue 31): the two
+``_compute_desc_ids`` calls of one ``_read_blocks``, three ways, in one
+process, interleaved; and what ``ptrres.vllm.patch()`` now costs.
+
+``NixlPullConnectorWorker._read_blocks`` turns a request's block ids into
+NIXL descriptor ids twice, before it posts the READ: for the remote side
+(``block_size_ratio=None``, the remote engine's ``dst_num_blocks`` and
+per-region block counts) and then for its own (``block_size_ratio=1``, its
+own counts). Both calls are timed together, with the ids as vLLM passes
+them: one Python list of ints per KV-cache group. Three contenders:
+
+- ``vllm``: vLLM's own ``NixlBaseConnectorWorker._compute_desc_ids``;
+- ``compiled``: the plugin's (``ptrres.vllm._nixl.patched_functions``,
+  ``compiled=True``): every id checked and the indices built by one kernel
+  (``desc_ids_kernel``);
+- ``wrap``: the same check (``compiled=False``), then vLLM's own method.
+
+Each is called on a bare worker (``object.__new__`` holding only what
+``_compute_desc_ids`` reads), as vLLM calls it: by keyword, the worker
+first. The three outputs are checked equal (values and dtype) first.
+
+Layouts: 32 regions (Llama-3.1-8B, one region a layer) and 80 (Llama-3.1-70B
+at TP4), remote pools of 24,576 and 32,768 blocks, local ones of 32,768 and
+40,960. ``one group``: every region of group 0, vLLM's fast path
+(``uses_region_group_mapping`` False). ``hybrid``: 4 groups, the regions
+split among them in 4 runs (``region_group_ids``), each group with its own
+ids: vLLM's region-group mapping branch; each group has as many ids as a
+one-group request, so both write the same number of indices. Ids are
+``scattered`` (distinct, drawn at random from the pool, in the order drawn)
+or ``consecutive`` (one run at a random start), on each side.
+
+Timing: ``ptrres.bench.compare`` per cell (the contenders take turns in
+rounds, each round a batch of calls), the median over rounds and the best;
+with each, the minor page faults of one transfer and the most memory it
+holds at once (tracemalloc, which numpy reports to). First on this
+process's heap, which reuses the memory freed by the previous call (no page
+faults), then on fresh pages: in a child whose glibc malloc maps every block
+of 64 KiB or more anew and keeps no free memory at its heap's top
+(FRESH_MALLOC), so that every large array is faulted in page by page as it
+is written, which is what the filer saw when each request's index arrays
+landed on fresh pages. Between the two tables, where the patched paths'
+time goes (layout lookup, list-to-array conversion against vLLM's own,
+kernel, range check).
+
+Last, the patch-cost tables: ``ptrres.vllm.patch()`` timed in fresh
+interpreters right after what triggers it, with this tree's ptrres (and with
+``PTRRES_VLLM_NIXL=0``) and with the tree before the NIXL patch
+(``--before``, extracted with ``git archive``, first on PYTHONPATH),
+alternating: once where only ``vllm.v1.kv_offload.cpu.gpu_worker`` is
+imported, once where a GPU worker's modules are (its model runner,
+OffloadingConnector). Patching the NIXL path imports vLLM's NIXL worker
+modules; what vLLM's own import of them costs there is timed after the
+before tree's patch().
+
+Run: python benchmarks/nixl_desc_ids.py [--quick] [--rounds N]
+     [--patch-cost | --no-patch-cost] [--before REV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Loopback only, before vLLM imports NIXL (and its UCX).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+# (name, regions, remote pool, local pool): one region a layer.
+MODELS = (
+    ("llama-3.1-8b", 32, 24576, 32768),
+    ("llama-3.1-70b-tp4", 80, 32768, 40960),
+)
+BLOCKS = (16, 256, 2048)
+HYBRID_GROUPS = 4
+CONTENDERS = ("vllm", "compiled", "wrap")
+# The commit before the plugin patched vLLM's NIXL connector (0fc90d3).
+BEFORE_NIXL = "0fc90d3^"
+# The fresh-pages table runs in a child whose glibc malloc maps every block
+# of 64 KiB or more anew and unmaps it when freed, and keeps no free memory
+# at the top of its heap: every large array is faulted in page by page as
+# it is first written. (Set from the start: in a process that has run a
+# while, free chunks in the heap's bins would serve large arrays anyway.)
+FRESH_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(64 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(64 * 1024),
+    "MALLOC_TOP_PAD_": "0",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One cell: a layout, an id pattern and a size; both calls' arguments."""
+
+    model: str
+    regions: int
+    groups: str  # "one group" or "hybrid"
+    ids: str  # "scattered" or "consecutive"
+    blocks: int  # ids per group, per side
+    worker: Any
+    remote: dict[str, Any]  # the remote call's keyword arguments
+    local: dict[str, Any]
+
+
+def load_vllm() -> tuple[Any, Any, Any]:
+    """vLLM's base_worker module, its worker class, and the spec classes."""
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # "NIXL is not available"
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    specs = (FullAttentionSpec, SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec)
+    return base_worker, base_worker.NixlBaseConnectorWorker, specs
+
+
+def bare_worker(cls: Any, regions: int, owners: list[int], specs: Any) -> Any:
+    """A worker never initialised, holding only what _compute_desc_ids reads
+    (vLLM 0.30 to 0.33)."""
+    # vLLM's __del__ shuts NIXL down, which a bare worker never started.
+    bare = type("BareWorker", (cls,), {"__del__": lambda self: None})
+    worker: Any = object.__new__(bare)
+    groups = max(owners) + 1
+    for name, value in {
+        "_has_mamba": False,
+        "_conv_decomp": None,
+        "_ssm_region_indices": [],
+        "_scratch_region_indices": [],
+        "_group_spec_types": tuple(specs[:groups]),
+        "_ple_group_index": None,
+        "_transfer_layer_group_ids": (),
+        "num_regions": regions,
+        "block_len_per_layer": [4096] * regions,
+        "region_group_ids": owners,
+        "_uses_region_group_mapping": groups > 1,
+    }.items():
+        setattr(worker, name, value)
+    return worker
+
+
+def draw_ids(
+    rng: np.random.Generator, pool: int, blocks: int, groups: int, pattern: str
+) -> list[list[int]]:
+    """One side's ids, one list of Python ints per group, as vLLM passes them;
+    the groups' ids distinct from each other."""
+    if pattern == "scattered":
+        drawn = rng.choice(pool, blocks * groups, replace=False)
+    else:
+        drawn = int(rng.integers(pool - blocks * groups)) + np.arange(blocks * groups)
+    return [drawn[g * blocks : (g + 1) * blocks].tolist() for g in range(groups)]
+
+
+def cases(cls: Any, specs: Any, blocks_list: tuple[int, ...]) -> list[Case]:
+    """Every cell: both models, one group and hybrid, both id patterns."""
+    rng = np.random.default_rng(31)
+    found = []
+    for model, regions, remote_pool, local_pool in MODELS:
+        for groups in ("one group", "hybrid"):
+            n_groups = 1 if groups == "one group" else HYBRID_GROUPS
+            # Hybrid: the regions in n_groups runs, one per group.
+            owners = [r * n_groups // regions for r in range(regions)]
+            worker = bare_worker(cls, regions, owners, specs)
+            for ids in ("scattered", "consecutive"):
+                for blocks in blocks_list:
+                    remote = {
+                        "block_ids": draw_ids(rng, remote_pool, blocks, n_groups, ids),
+                        "dst_num_blocks": remote_pool,
+                        "block_size_ratio": None,
+                        "physical_blocks_per_logical": 1,
+                        "region_num_blocks": [remote_pool] * regions,
+                        "region_group_ids": owners,
+                        "uses_region_group_mapping": n_groups > 1,
+                    }
+                    local = {
+                        **remote,
+                        "block_ids": draw_ids(rng, local_pool, blocks, n_groups, ids),
+                        "dst_num_blocks": local_pool,
+                        "block_size_ratio": 1,
+                        "region_num_blocks": [local_pool] * regions,
+                    }
+                    found.append(
+                        Case(model, regions, groups, ids, blocks, worker, remote, local)
+                    )
+    return found
+
+
+def contenders(base_worker: Any, vllm_method: Any) -> dict[str, Callable[..., Any]]:
+    """vLLM's _compute_desc_ids, the plugin's compiled one, and its wrap."""
+    from ptrres.vllm._nixl import NixlPatch, patched_functions
+
+    def patched(compiled: bool) -> Callable[..., Any]:
+        method, _ = patched_functions(
+            NixlPatch(base_worker, vllm_method, lambda: True, compiled=compiled)
+        )
+        return method
+
+    return {"vllm": vllm_method, "compiled": patched(True), "wrap": patched(False)}
+
+
+def transfer(method: Callable[..., Any], case: Case) -> Callable[[], Any]:
+    """The index path of one _read_blocks: the remote call, then the local."""
+    worker, remote, local = case.worker, case.remote, case.local
+
+    def both() -> Any:
+        return method(worker, **remote), method(worker, **local)
+
+    return both
+
+
+def check_equal(methods: dict[str, Callable[..., Any]], case: Case) -> int:
+    """Every contender's output is vLLM's (values and dtype); its length."""
+    outputs = {name: transfer(m, case)() for name, m in methods.items()}
+    for name, sides in outputs.items():
+        for side, expected in zip(sides, outputs["vllm"]):
+            assert side.dtype == expected.dtype, (name, case, side.dtype)
+            assert np.array_equal(side, expected), (name, case)
+    return len(outputs["vllm"][0])
+
+
+def peak_bytes(fn: Callable[[], Any]) -> int:
+    """The most memory one call holds at once, over what it returns nothing
+    (tracemalloc: Python's and numpy's allocations)."""
+    fn()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def load() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def page_faults(fn: Callable[[], Any], calls: int = 16) -> float:
+    """The minor page faults of one call (the pages its arrays touch first)."""
+    import resource
+
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
+def index_table(
+    all_cases: list[Case],
+    methods: dict[str, Callable[..., Any]],
+    seconds: float,
+    rounds: int,
+) -> list[float]:
+    """One table: every cell, the three contenders interleaved; the ratios
+    vLLM / compiled and vLLM / wrap, in order."""
+    from ptrres.bench import compare
+
+    print(
+        "| model | regions | groups | ids | blocks | indices/side | vLLM us "
+        "| compiled us | wrap us | vLLM/compiled | vLLM/wrap | wrap - vLLM us "
+        f"| best of {rounds} us | page faults | peak KiB |"
+    )
+    print("|---|---:|---|---|---:|" + "---:|" * 10)
+    ratios: list[float] = []
+    for case in all_cases:
+        n = check_equal(methods, case)
+        calls = {name: transfer(m, case) for name, m in methods.items()}
+        timing = compare(calls, seconds=seconds, rounds=rounds)
+        us = {name: t.seconds * 1e6 for name, t in timing.items()}
+        ratios += [us["vllm"] / us["compiled"], us["vllm"] / us["wrap"]]
+        best = " / ".join(f"{min(timing[c].rounds) * 1e6:.1f}" for c in CONTENDERS)
+        faults = " / ".join(f"{page_faults(calls[c]):.0f}" for c in CONTENDERS)
+        peaks = " / ".join(f"{peak_bytes(calls[c]) / 1024:.0f}" for c in CONTENDERS)
+        print(
+            f"| {case.model} | {case.regions} | {case.groups} | {case.ids} "
+            f"| {case.blocks} | {n} | {us['vllm']:.1f} | {us['compiled']:.1f} "
+            f"| {us['wrap']:.1f} | {us['vllm'] / us['compiled']:.2f}x "
+            f"| {us['vllm'] / us['wrap']:.2f}x | {us['wrap'] - us['vllm']:+.1f} "
+            f"| {best} | {faults} | {peaks} |",
+            flush=True,
+        )
+    return ratios
+
+
+def summary(ratios: list[float], label: str) -> None:
+    """Geometric means and lowest ratios, and whether "never slower" held."""
+    from ptrres.bench import geometric_mean
+
+    compiled, wrap = ratios[0::2], ratios[1::2]
+    print(
+        f"\n{label}: compiled: geometric mean {geometric_mean(compiled):.2f}x vLLM's "
+        f"speed, lowest {min(compiled):.2f}x, {sum(r < 1 for r in compiled)} of "
+        f"{len(compiled)} cells slower; wrap: geometric mean "
+        f"{geometric_mean(wrap):.2f}x, lowest {min(wrap):.2f}x, "
+        f"{sum(r < 1 for r in wrap)} of {len(wrap)} cells slower"
+    )
+
+
+# _compute_desc_ids' parameters after the worker, in order.
+PARAMETERS = (
+    "block_ids",
+    "dst_num_blocks",
+    "block_size_ratio",
+    "physical_blocks_per_logical",
+    "region_num_blocks",
+    "region_group_ids",
+    "uses_region_group_mapping",
+)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One call's positional arguments, with what the compiled path makes of
+    them: the worker's CompiledLayout, the flat ids, the output's length."""
+
+    arguments: tuple[Any, ...]
+    layout: Any
+    flat: tuple[Any, Any]
+    size: int
+
+
+def sides(case: Case, base_worker: Any) -> list[Side]:
+    """The remote call's and the local call's Side."""
+    from ptrres.vllm._nixl_regions import CompiledLayout, compiled_layout, flat_ids
+
+    found = []
+    for call in (case.remote, case.local):
+        arguments = tuple(call[name] for name in PARAMETERS)
+        layout = compiled_layout(case.worker, arguments, base_worker)
+        flat = flat_ids(arguments[0])
+        assert isinstance(layout, CompiledLayout), "not the compiled path"
+        assert flat is not None, "ids that are no int64"
+        lengths = [len(ids) for ids in arguments[0]]
+        size = layout.all_groups * sum(lengths) + sum(
+            m * k for m, k in zip(layout.per_group, lengths)
+        )
+        found.append(Side(arguments, layout, flat, size))
+    return found
+
+
+def breakdown(all_cases: list[Case], base_worker: Any, seconds: float) -> None:
+    """Where the patched paths' time goes, per transfer (both calls): the
+    worker's layout (compiled_layout, looked up by layout_key), the lists made
+    one array (flat_ids; vLLM's own conversion, np.asarray(group, int32) per
+    group, beside it), the kernel with its output's allocation, and the range
+    check the wrap does instead of the kernel (all_in_range)."""
+    from ptrres import _kernels
+    from ptrres.bench import compare
+    from ptrres.vllm._nixl_regions import all_in_range, compiled_layout, flat_ids
+
+    print(
+        "\nWhere the time goes, per transfer (both calls), scattered ids:\n\n"
+        "| model | groups | blocks | layout lookup us | flat_ids us "
+        "| vLLM's np.asarray us | kernel + np.empty us | all_in_range us |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for case in all_cases:
+        if case.ids != "scattered":
+            continue
+        both = sides(case, base_worker)
+        worker = case.worker
+
+        def lookup(both: list[Side] = both, worker: Any = worker) -> None:
+            for side in both:
+                compiled_layout(worker, side.arguments, base_worker)
+
+        def flatten(both: list[Side] = both) -> None:
+            for side in both:
+                flat_ids(side.arguments[0])
+
+        def vllm_arrays(both: list[Side] = both) -> None:
+            for side in both:
+                for group in side.arguments[0]:
+                    np.asarray(group, dtype=np.int32)
+
+        def kernel(both: list[Side] = both) -> None:
+            for side in both:
+                out = np.empty(side.size, np.int64)
+                _kernels.desc_ids_kernel(*side.flat, side.layout.segments, out)
+
+        def check(both: list[Side] = both) -> None:
+            for side in both:
+                all_in_range(side.flat, side.layout.layout)
+
+        timing = compare(
+            {
+                "lookup": lookup,
+                "flat": flatten,
+                "vllm": vllm_arrays,
+                "kernel": kernel,
+                "check": check,
+            },
+            seconds=seconds,
+        )
+        us = {name: t.seconds * 1e6 for name, t in timing.items()}
+        print(
+            f"| {case.model} | {case.groups} | {case.blocks} | {us['lookup']:.1f} "
+            f"| {us['flat']:.1f} | {us['vllm']:.1f} | {us['kernel']:.1f} "
+            f"| {us['check']:.1f} |",
+            flush=True,
+        )
+
+
+def index_path(seconds: float, rounds: int, fresh: bool) -> None:
+    """The tables of the index path: on this process's heap (with where the
+    time goes), or, ``fresh``, on fresh pages (in a child that FRESH_MALLOC
+    configures)."""
+    import numba
+    import vllm
+
+    import ptrres
+
+    base_worker, cls, specs = load_vllm()
+    methods = contenders(base_worker, vars(cls)["_compute_desc_ids"])
+    all_cases = cases(cls, specs, BLOCKS)
+    if fresh:
+        print(
+            "\nFresh pages: glibc's malloc maps every block of 64 KiB or more "
+            "anew and keeps no free memory at its heap's top "
+            f"(`{' '.join(f'{k}={v}' for k, v in FRESH_MALLOC.items())}`), so "
+            "that each large array is faulted in as it is first written; load "
+            f"average {load()}:\n"
+        )
+        summary(index_table(all_cases, methods, seconds, rounds), "fresh pages")
+        print(f"\nload average {load()}")
+        return
+    print(
+        f"vLLM {vllm.__version__}, ptrres {ptrres.__version__}, numba "
+        f"{numba.__version__}, numpy {np.__version__}; {os.cpu_count()} CPUs, "
+        f"load average {load()}\n"
+    )
+    print(
+        "The index path of one `_read_blocks` (remote call, then local), on "
+        "the benchmark's warm heap: the median per transfer over the rounds; "
+        "best of the rounds, minor page faults per transfer and the most "
+        "memory a transfer holds at once (tracemalloc) as vLLM / compiled / "
+        "wrap:\n"
+    )
+    summary(index_table(all_cases, methods, seconds, rounds), "warm heap")
+    print(f"\nload average {load()}")
+    breakdown(all_cases, base_worker, seconds)
+
+
+def fresh_pages(argv: list[str]) -> None:
+    """The fresh-pages table, from a child started with FRESH_MALLOC."""
+    sys.stdout.flush()
+    done = subprocess.run(
+        [sys.executable, __file__, "--fresh-pages", *argv],
+        env={**os.environ, **FRESH_MALLOC},
+        check=False,
+    )
+    if done.returncode:
+        raise SystemExit(f"the fresh-pages child exited with {done.returncode}")
+
+
+# What a process has imported when patch() triggers: vLLM's CPU offloading
+# worker alone (the brief's case), and with what a GPU worker that offloads
+# has imported before it (its model runner, OffloadingConnector).
+GPU_WORKER = "vllm.v1.kv_offload.cpu.gpu_worker"
+SCENARIOS = (
+    ("only vLLM's offloading worker imported", (GPU_WORKER,)),
+    (
+        "a GPU worker's modules imported (model runner, OffloadingConnector)",
+        (
+            "vllm.v1.worker.gpu_model_runner",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+            GPU_WORKER,
+        ),
+    ),
+)
+NIXL_WORKERS = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+
+# A fresh interpreter: the scenario's modules imported, then
+# ptrres.vllm.patch() timed; with "then-nixl", vLLM's own import of its NIXL
+# worker modules timed after it (what the before tree's patch() left out).
+CHILD = f"""
+import importlib, json, sys, time
+for name in sys.argv[2].split(","):
+    importlib.import_module(name)
+import ptrres, ptrres.vllm as plugin
+assert not plugin.is_patched()
+modules = len(sys.modules)
+start = time.perf_counter()
+names = plugin.patch()
+report = {{"seconds": time.perf_counter() - start, "ptrres": ptrres.__file__,
+    "modules": len(sys.modules) - modules,
+    "nixl": any("_compute_desc_ids" in n for n in names)}}
+assert names, "patch() patched nothing"
+if sys.argv[1] == "then-nixl":
+    start = time.perf_counter()
+    for name in ("base_worker", "pull_worker", "push_worker"):
+        importlib.import_module("{NIXL_WORKERS}." + name)
+    report["vllm_nixl"] = time.perf_counter() - start
+print(json.dumps(report))
+"""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kind of fresh interpreter of the patch-cost table."""
+
+    name: str
+    env: dict[str, str]
+    root: str  # where its ptrres must come from
+    then_nixl: bool = False  # then time vLLM's import of its NIXL workers
+
+
+def run_child(variant: Variant, imports: tuple[str, ...], cwd: str) -> dict[str, Any]:
+    """One fresh interpreter's report."""
+    how = "then-nixl" if variant.then_nixl else "patch"
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, how, ",".join(imports)],
+        cwd=cwd,
+        env=variant.env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    assert result["ptrres"].startswith(variant.root), (variant.name, result)
+    return result
+
+
+def patch_cost(rounds: int, before: str, quick: bool) -> None:
+    """patch() where it triggers, fresh interpreters, alternating: this tree
+    (and with PTRRES_VLLM_NIXL=0) against the tree before the NIXL patch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PTRRES_VLLM")}
+    env.pop("VLLM_PLUGINS", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed: bytecode cached
+    path = [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    here = {**env, "PYTHONPATH": os.pathsep.join(path)}
+    print(
+        "\n`ptrres.vllm.patch()` in fresh interpreters, right after what "
+        f"triggers it ({rounds} of each, alternating; medians):"
+    )
+    # The children run in an empty directory: `python -c` puts the working
+    # directory first on sys.path, where a checkout's ptrres would win.
+    with tempfile.TemporaryDirectory() as old, tempfile.TemporaryDirectory() as cwd:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", before, "ptrres"],
+            capture_output=True,
+            check=False,
+        )
+        variants = [Variant("this tree", here, str(ROOT))]
+        if archive.returncode == 0:
+            subprocess.run(["tar", "-x", "-C", old], input=archive.stdout, check=True)
+            old_path = os.pathsep.join([old, *path])
+            variants.append(
+                Variant(
+                    f"before the NIXL patch ({before})",
+                    {**env, "PYTHONPATH": old_path},
+                    old,
+                    then_nixl=True,
+                )
+            )
+        else:
+            print(f"\n(`git archive {before}` failed: no before rows)")
+        for number, (scenario, imports) in enumerate(SCENARIOS):
+            if quick and number:
+                break
+            kinds = list(variants)
+            if not number and not quick:  # the switch, once
+                switch = {**here, "PTRRES_VLLM_NIXL": "0"}
+                name = "this tree, PTRRES_VLLM_NIXL=0"
+                kinds.insert(1, Variant(name, switch, str(ROOT)))
+            patch_table(scenario, imports, kinds, rounds, cwd)
+
+
+def patch_table(
+    scenario: str, imports: tuple[str, ...], kinds: list[Variant], rounds: int, cwd: str
+) -> None:
+    """One scenario's table: every variant, alternating."""
+    try:
+        run_child(kinds[0], imports, cwd)  # bytecode cached, imports checked
+    except RuntimeError as error:
+        print(f"\n{scenario}: its modules do not import here ({error})")
+        return
+    results: dict[str, list[dict[str, Any]]] = {v.name: [] for v in kinds}
+    for _ in range(rounds):
+        for variant in kinds:
+            results[variant.name].append(run_child(variant, imports, cwd))
+    print(f"\n{scenario} (`{'`, `'.join(imports)}`); load average {load()}:\n")
+    print("| ptrres | patch() ms | modules it imports | NIXL path patched |")
+    print("|---|---:|---:|---|")
+    for variant in kinds:
+        found = results[variant.name]
+        ms = statistics.median(r["seconds"] for r in found) * 1e3
+        modules = statistics.median(r["modules"] for r in found)
+        print(f"| {variant.name} | {ms:.0f} | {modules:.0f} | {found[0]['nixl']} |")
+    then = [r["vllm_nixl"] for r in results[kinds[-1].name] if "vllm_nixl" in r]
+    if then:
+        print(
+            "\nvLLM's own import of its three NIXL worker modules there, "
+            "after the before tree's patch(): "
+            f"{statistics.median(then) * 1e3:.0f} ms"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter timings")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per cell")
+    parser.add_argument(
+        "--patch-cost",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="only patch()'s cost (--no-patch-cost: only the index path)",
+    )
+    parser.add_argument(
+        "--before", default=BEFORE_NIXL, help="the commit patch() is compared with"
+    )
+    # The child that prints the fresh-pages table.
+    parser.add_argument("--fresh-pages", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    rounds = args.rounds or (5 if args.quick else 15)
+    seconds = 0.03 if args.quick else 0.3
+    if args.fresh_pages:
+        index_path(seconds, rounds, fresh=True)
+        return
+    if args.patch_cost is not True:
+        index_path(seconds, rounds, fresh=False)
+        fresh_pages(["--quick"] if args.quick else ["--rounds", str(rounds)])
+    if args.patch_cost is not False:
+        patch_cost(1 if args.quick else 9, args.before, args.quick)
+
+
+if __name__ == "__main__":
+    main()
