@@ -229,6 +229,32 @@ backend against `write_files` on the same FilePlans.""",
         markdown=True,
     ),
     Section(
+        "nixl-desc-ids",
+        "vLLM's NIXL index path: _compute_desc_ids, patched and unpatched",
+        """\
+[docs/nixl.md](nixl.md). vLLM's NIXL connector turns a request's block ids
+into descriptor indices twice per `_read_blocks`, remote side then local
+side (`_compute_desc_ids`); the plugin checks every id there. Both calls
+timed together, three ways, interleaved in one process: vLLM's own, the
+plugin's (every id checked, the indices built by one kernel: `compiled`),
+and the same check followed by vLLM's own method (`wrap`). Bare workers
+(only the attributes the method reads), ids as vLLM passes them (one list
+of Python ints per group), scattered or consecutive; 32 regions
+(Llama-3.1-8B) and 80 (Llama-3.1-70B at TP4); one group (vLLM's fast path)
+and a hybrid model of 4 groups (its region-group mapping); the three
+outputs are checked equal first. The first table runs on the benchmark's
+warm heap (no page faults); the second in a process whose malloc hands
+every large array fresh pages, as a serving process's may. Between them,
+where the patched paths' time goes. `wrap - vLLM` is what the check costs
+when vLLM builds the indices. Last, what `ptrres.vllm.patch()` costs where
+it triggers, now that it imports vLLM's NIXL worker modules, against the
+commit before the NIXL patch: in a process that has imported only vLLM's
+offloading worker, and in one that has imported what a GPU worker has.""",
+        ("python", "benchmarks/nixl_desc_ids.py"),
+        ("--quick",),
+        markdown=True,
+    ),
+    Section(
         "core-targets",
         "Resolver targets",
         """\
