@@ -327,7 +327,7 @@ class Side:
 
     arguments: tuple[Any, ...]
     layout: Any
-    flat: tuple[Any, Any]
+    flat: Any  # flat_ids(): the ids and where each group starts, first
     size: int
 
 
@@ -388,7 +388,8 @@ def breakdown(all_cases: list[Case], base_worker: Any, seconds: float) -> None:
         def kernel(both: list[Side] = both) -> None:
             for side in both:
                 out = np.empty(side.size, np.int64)
-                _kernels.desc_ids_kernel(*side.flat, side.layout.segments, out)
+                ids, starts = side.flat[0], side.flat[1]
+                _kernels.desc_ids_kernel(ids, starts, side.layout.segments, out)
 
         def check(both: list[Side] = both) -> None:
             for side in both:
