@@ -150,15 +150,20 @@ def desc_ids_kernel(
             start, stop = group_starts[group], group_starts[group + 1]
         first = segments[segment, SEGMENT_FIRST]
         count = np.uint64(segments[segment, SEGMENT_COUNT])
+        # Both sides as views indexed from 0 by the loop's counter: an index
+        # that may be negative (written - start + k) makes Numba wrap it
+        # around, a select per element that keeps the stores from
+        # vectorising (0.7 ns an index against 0.2, a numpy fill's speed).
+        ids = block_ids[start:stop]
+        out = desc_ids[written : written + (stop - start)]
         # As in resolve_kernel: the check accumulates without a branch, so that
         # the loop vectorises, and a bad id counts as 0.
         out_of_range = False
-        shift = written - start
-        for k in range(start, stop):
-            block_id = block_ids[k]
+        for k in range(stop - start):
+            block_id = ids[k]
             bad = np.uint64(block_id) >= count
             out_of_range |= bad
-            desc_ids[shift + k] = first + (0 if bad else block_id)
+            out[k] = first + (0 if bad else block_id)
         if out_of_range:
             return BAD_BLOCK_ID
         written += stop - start

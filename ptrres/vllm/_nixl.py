@@ -198,8 +198,7 @@ def checked_desc_ids(
     if isinstance(found, CompiledLayout):
         layout = found.layout
         if flat is not None and patch.compiled:
-            ids, starts = flat
-            lengths = np.diff(starts).tolist()
+            ids, starts, lengths = flat
             n = found.all_groups * len(ids) + sum(
                 m * k for m, k in zip(found.per_group, lengths)
             )

@@ -14,6 +14,7 @@ against them, and has the compiled kernel build the indices from them.
 from __future__ import annotations
 
 import array
+import itertools
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -54,6 +55,19 @@ class DescLayout(NamedTuple):
 
     segments: tuple[Segment, ...]
     compiled: bool
+    # Each group's (or ALL_GROUPS') fewest blocks over its segments: what its
+    # ids must stay under (all_in_range).
+    limits: tuple[tuple[int, int], ...]
+
+
+def layout_of(segments: list[Segment], compiled: bool) -> DescLayout:
+    """A DescLayout of these segments, with each group's limit."""
+    limits: dict[int, int] = {}
+    for segment in segments:
+        limits[segment.group] = min(
+            limits.get(segment.group, segment.blocks), segment.blocks
+        )
+    return DescLayout(tuple(segments), compiled, tuple(limits.items()))
 
 
 def desc_layout(
@@ -98,11 +112,11 @@ def desc_layout(
     if routing:
         if max(routing, default=0) >= len(block_ids) or min(routing, default=0) < 0:
             return None
-        return DescLayout(
-            tuple(
+        return layout_of(
+            [
                 Segment(group, k, firsts[k], counts[k])
                 for k, group in enumerate(routing)
-            ),
+            ],
             True,
         )
     if num_ssm_regions:
@@ -127,7 +141,7 @@ def desc_layout(
         segments = [
             Segment(ALL_GROUPS, r, firsts[r], counts[r]) for r in range(num_regions)
         ]
-        return DescLayout(tuple(segments), True)
+        return layout_of(segments, True)
     segments = []
     for group, ids in enumerate(block_ids):
         if not len(ids):
@@ -140,7 +154,7 @@ def desc_layout(
         if not regions:  # vLLM asserts there is one
             return None
         segments += [Segment(group, r, firsts[r], counts[r]) for r in regions]
-    return DescLayout(tuple(segments), True)
+    return layout_of(segments, True)
 
 
 def _mamba_layout(
@@ -179,24 +193,35 @@ def _mamba_layout(
             ]
         else:  # vLLM raises "Unknown spec type"
             return None
-    return DescLayout(tuple(segments), False)
+    return layout_of(segments, False)
 
 
-def flat_ids(
-    block_ids: Sequence[Any],
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
-    """Every group's ids as one int64 array, and where each group starts
-    (one entry more than groups); None for an id that is no int64 (it is out
-    of every region: the slow check finds it)."""
+class FlatIds(NamedTuple):
+    """Every group's ids as one int64 array, where each group starts (one
+    entry more than groups), and each group's count."""
+
+    ids: npt.NDArray[np.int64]
+    starts: npt.NDArray[np.int64]
+    lengths: list[int]
+
+
+def flat_ids(block_ids: Sequence[Any]) -> FlatIds | None:
+    """Every group's ids as one int64 array; None for an id that is no int64
+    (it is out of every region: the slow check finds it)."""
     flat = array.array("q")
     starts = [0]
     try:
         for group in block_ids:
-            flat.extend(group)
+            # A list's length is known up front: array("q", list) converts it
+            # at twice the speed of extend() (14 ns an id against 28), as fast
+            # as numpy; extend() from another "q" array is one memcpy. (Not
+            # for anything else: array("q", bytes) would reinterpret bytes.)
+            flat.extend(array.array("q", group) if type(group) is list else group)
             starts.append(len(flat))
     except (TypeError, OverflowError):
         return None
-    return np.frombuffer(flat, np.int64), np.array(starts, np.int64)
+    lengths = [b - a for a, b in itertools.pairwise(starts)]
+    return FlatIds(np.frombuffer(flat, np.int64), np.array(starts, np.int64), lengths)
 
 
 class BadId(NamedTuple):
@@ -305,18 +330,11 @@ def compiled_layout(
     return result
 
 
-def all_in_range(
-    flat: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]], layout: DescLayout
-) -> bool:
+def all_in_range(flat: FlatIds, layout: DescLayout) -> bool:
     """Whether every id is inside every region its group indexes: each
     group's smallest and largest against the fewest blocks of its regions."""
-    ids, starts = flat
-    limits: dict[int, int] = {}
-    for segment in layout.segments:
-        limits[segment.group] = min(
-            limits.get(segment.group, segment.blocks), segment.blocks
-        )
-    for group, limit in limits.items():
+    ids, starts, _ = flat
+    for group, limit in layout.limits:
         group_ids = (
             ids if group == ALL_GROUPS else ids[starts[group] : starts[group + 1]]
         )
