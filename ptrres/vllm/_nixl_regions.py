@@ -106,7 +106,9 @@ def desc_layout(
         counts = list(region_num_blocks)
     if counts and not routing:
         num_regions = len(counts)
-    if len(counts) != num_regions:
+    if len(counts) != num_regions or not num_regions:
+        # vLLM asserts; or, with no region registered, adds offset 0 to every
+        # id, each then an index into an empty list that NIXL refuses: vLLM's.
         return None
     firsts = np.cumsum([0, *counts[:-1]]).tolist()
     if routing:
@@ -170,6 +172,8 @@ def _mamba_layout(
     regions' ``num_blocks`` descriptors (every region, or the scratch ones),
     an SSM group's each SSM region's ``logical_blocks`` (after every
     attention descriptor). Checked here; built by vLLM."""
+    if len(worker._group_spec_types) < len(block_ids):  # vLLM's IndexError
+        return None
     segments = []
     for group in range(len(block_ids)):
         kind = worker._group_spec_types[group]
