@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 # Pages whose Python examples are whole programs, run top to bottom.
-EXAMPLE_PAGES = ["README.md", "docs/canonical.md", "docs/file-tier.md"]
+EXAMPLE_PAGES = ["README.md", "docs/canonical.md", "docs/file-tier.md", "docs/nixl.md"]
 PAGES = sorted(
     {ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")}
 )
