@@ -93,7 +93,7 @@ def _run(plan: Any, paths: Any, max_workers: Any, *, write: bool) -> None:
             f"plan has {len(ptrs)} dev_ptrs, {len(offsets)} file_offsets and "
             f"{len(sizes)} sizes"
         )
-    starts = _file_starts(raw_starts, len(sizes))
+    starts = checked_file_starts(raw_starts, len(sizes))
     ends = offsets.astype(np.float64) + sizes.astype(np.float64)
     if len(ends) and ends.max() > 2.0**63 - 4096:  # beyond any file (off_t)
         op = int(np.argmax(ends > 2.0**63 - 4096))
@@ -133,7 +133,7 @@ def _run(plan: Any, paths: Any, max_workers: Any, *, write: bool) -> None:
         list(pool.map(transfer, tasks))
 
 
-def _file_starts(values: Any, n_ops: int) -> npt.NDArray[np.int64]:
+def checked_file_starts(values: Any, n_ops: int) -> npt.NDArray[np.int64]:
     """A plan's file_starts: from 0 to the number of ops, never decreasing."""
     if not isinstance(values, np.ndarray) or values.dtype.kind not in "iu":
         raise InputTypeError(

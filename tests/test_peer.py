@@ -374,6 +374,13 @@ def test_file_descriptors_name_each_ops_file() -> None:
     np.testing.assert_array_equal(descs.remote[:, 2], expected_fds)
     with pytest.raises(ptrres.SpecError, match="files but 1 fds"):
         ptrres.nixl.file_xfer_descs(plan, [3], memory=table)
+    # file_starts that do not rise from 0 to the number of ops are refused.
+    backwards = SimpleNamespace(
+        dev_ptrs=plan.dev_ptrs, file_offsets=plan.file_offsets, sizes=plan.sizes,
+        file_starts=plan.file_starts[::-1].copy(),
+    )  # fmt: skip
+    with pytest.raises(ptrres.SpecError, match="must rise from 0"):
+        ptrres.nixl.file_xfer_descs(backwards, fds, memory=table)
 
 
 class FakeDevice:

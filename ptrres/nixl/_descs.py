@@ -16,6 +16,7 @@ from .. import _kernels
 from .._args import as_int, as_list, descriptor_array
 from .._diagnose import overlap_error
 from .._errors import InputTypeError, OutBufferError, SpecError
+from .._posix import checked_file_starts
 from .._results import FilePlan, PeerTransferPlan, TransferPlan
 from ._memory import Memory, MemoryLike, memory_of
 
@@ -156,19 +157,19 @@ def file_xfer_descs(
     dev_ptrs = descriptor_array(raw[0], "plan.dev_ptrs")
     offsets = descriptor_array(raw[1], "plan.file_offsets")
     sizes = descriptor_array(raw[2], "plan.sizes")
-    starts = np.asarray(raw[3])
+    if not len(dev_ptrs) == len(offsets) == len(sizes):
+        raise SpecError(
+            f"plan has {len(dev_ptrs)} dev_ptrs, {len(offsets)} file_offsets and "
+            f"{len(sizes)} sizes"
+        )
+    starts = checked_file_starts(raw[3], len(sizes))
     descriptors = [as_int(fd, "fds[{}]", i) for i, fd in enumerate(as_list(fds, "fds"))]
     if min(descriptors, default=0) < 0:
         raise SpecError(f"fds must be open file descriptors, got {descriptors}")
-    if starts.ndim != 1 or len(starts) != len(descriptors) + 1:
+    if len(starts) != len(descriptors) + 1:
         raise SpecError(
             f"the plan has {len(starts) - 1} files but {len(descriptors)} fds "
             "were given"
-        )
-    if not len(dev_ptrs) == len(offsets) == len(sizes) == int(starts[-1]):
-        raise SpecError(
-            f"plan has {len(dev_ptrs)} dev_ptrs, {len(offsets)} file_offsets and "
-            f"{len(sizes)} sizes; its file_starts end at {int(starts[-1])}"
         )
     fd_of_op = np.repeat(np.array(descriptors, np.uint64), np.diff(starts))
     sides = [(dev_ptrs, memory_of(memory)), (offsets, _FILES)]
