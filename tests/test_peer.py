@@ -380,7 +380,7 @@ def test_file_descriptors_name_each_ops_file() -> None:
         file_starts=plan.file_starts[::-1].copy(),
     )  # fmt: skip
     with pytest.raises(ptrres.SpecError, match="must rise from 0"):
-        ptrres.nixl.file_xfer_descs(backwards, fds, memory=table)
+        ptrres.nixl.file_xfer_descs(backwards, fds, memory=table)  # type: ignore[arg-type]
 
 
 class FakeDevice:
