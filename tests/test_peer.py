@@ -558,3 +558,72 @@ def test_hostile_input_raises_ptrres_errors(remote_ids: Any, out: str | None) ->
         assert len(plan.sizes) == 8
     assert (guard[28:] == 9).all()
     assert (guard[18:20] == 9).all()
+
+
+def test_what_nixl_takes_refuses_malformed_input_and_keeps_working() -> None:
+    """Plans without their fields or of several lengths, odd out= buffers,
+    bad fds, memory of no kind: each a PtrresError naming what is wrong,
+    nothing written outside the buffers given, and the next call works."""
+    _, _, table, peer = two_engines()
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2, 3, 9], np.int32), [2, 2])
+    plan = table.plan_peer_transfer(spec, peer, [4, 5, 6, 11])
+    n = len(plan.sizes)
+    nixl: Any = ptrres.nixl  # handed what its types refuse, on purpose
+
+    def descs(plan: Any = plan, local: Any = table, out: Any = None) -> Any:
+        return nixl.peer_xfer_descs(plan, local=local, remote=peer, out=out)
+
+    short = SimpleNamespace(local=plan.local, remote=plan.remote[:-1], sizes=plan.sizes)
+    rows = np.zeros((n, 3), np.int64)
+    cases: list[tuple[Any, type, str]] = [
+        (lambda: descs(object()), ptrres.InputTypeError, "local, remote and sizes"),
+        (lambda: descs(short), ptrres.SpecError, "have 8, 7 and 8 entries"),
+        (lambda: descs(out=(rows,)), ptrres.InputTypeError, "pair of"),
+        (lambda: descs(out=(np.zeros((n, 3)), rows)), ptrres.InputTypeError, "int64"),
+        (lambda: descs(out=(rows[::2], rows)), ptrres.OutBufferError, "C-contiguous"),
+        (lambda: descs(out=(rows[1:], rows)), ptrres.OutBufferError, "7 rows; 8 are"),
+        (lambda: descs(local="DRAM"), ptrres.InputTypeError, "must be a Memory"),
+        (
+            lambda: nixl.file_xfer_descs(object(), [3], memory=table),
+            ptrres.InputTypeError,
+            "plan must be a FilePlan",
+        ),
+        (lambda: nixl.vram(-1), ptrres.LayoutError, "device index is >= 0"),
+        (
+            lambda: nixl.prepped_indices(table, spec, out=np.zeros(8, np.int64)),
+            ptrres.InputTypeError,
+            "1-D int32",
+        ),
+        (
+            lambda: nixl.prepped_indices(table, spec, out=np.zeros(16, np.int32)[::2]),
+            ptrres.OutBufferError,
+            "C-contiguous",
+        ),
+        (
+            lambda: nixl.prepped_indices(table, spec, out=np.zeros(7, np.int32)),
+            ptrres.OutBufferError,
+            "7 entries; 8 indices",
+        ),
+        (
+            lambda: nixl.prepped_indices(spec, spec),
+            ptrres.InputTypeError,
+            "PointerTable or a PeerLayout",
+        ),
+    ]
+    for call, error, pattern in cases:
+        with pytest.raises(error, match=pattern):
+            call()
+    # A shared out= buffer is refused before anything is written.
+    shared = np.full((n, 3), 9, np.int64)
+    with pytest.raises(ptrres.OutBufferError, match="share memory"):
+        descs(out=(shared, shared))
+    assert (shared == 9).all()
+    file_plan = table.plan_file_ops(spec, 2)
+    with pytest.raises(ptrres.SpecError, match="open file descriptors"):
+        nixl.file_xfer_descs(file_plan, [-1] * file_plan.num_files, memory=table)
+    # Indices into the caller's buffer, then everything works as before.
+    out = np.full(10, -5, np.int32)
+    indices = ptrres.nixl.prepped_indices(table, spec, out=out)
+    assert np.shares_memory(indices, out)
+    assert (out[8:] == -5).all()
+    np.testing.assert_array_equal(descs().local[:, 0], plan.local)

@@ -161,9 +161,11 @@ _index_tables: weakref.WeakKeyDictionary[Any, npt.NDArray[np.int64]] = (
 
 
 def _index_table(layout: Any) -> npt.NDArray[np.int64]:
+    """A layout's index table, made once (its type checked first: the cache
+    takes weak references, which not every object allows)."""
+    ref_table = _ref_table(layout)
     table = _index_tables.get(layout)
     if table is None:
-        ref_table = _ref_table(layout)
         counts = ref_table[:, NUM_BLOCKS]
         if int(counts.sum()) > MAX_PREPPED_DESCRIPTORS:
             prepped_rows(layout)  # raises the LayoutError
