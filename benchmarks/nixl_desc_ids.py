@@ -76,6 +76,8 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import numpy as np
 
+from ptrres.vllm._release import NIXL_METHODS
+
 ROOT = Path(__file__).resolve().parents[1]
 # (name, regions, remote pool, local pool): one region a layer.
 MODELS = (
@@ -308,15 +310,14 @@ def summary(ratios: list[float], label: str) -> None:
     )
 
 
-# _compute_desc_ids' parameters after the worker, in order.
-PARAMETERS = (
-    "block_ids",
-    "dst_num_blocks",
-    "block_size_ratio",
-    "physical_blocks_per_logical",
-    "region_num_blocks",
-    "region_group_ids",
-    "uses_region_group_mapping",
+# _compute_desc_ids' parameters after the worker, in order: those the
+# plugin checks vLLM's against.
+PARAMETERS = tuple(
+    next(
+        names
+        for (_, _, method), names in NIXL_METHODS.items()
+        if method == "_compute_desc_ids"
+    )[1:]
 )
 
 
