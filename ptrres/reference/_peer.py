@@ -14,7 +14,6 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import (
-    BlockIdError,
     InputTypeError,
     LayoutError,
     RemoteBlockIdError,
@@ -22,7 +21,7 @@ from .._errors import (
 )
 from .._results import PeerTransferPlan
 from ._input import as_ids, as_int, as_list, read_kv_caches, read_spec
-from ._resolve import resolve_device_pointers
+from ._resolve import _block_id_error, resolve_device_pointers
 
 PEER_FIELDS = ("base_ptr", "row_stride_bytes", "page_size_bytes", "num_blocks")
 
@@ -152,39 +151,22 @@ def prepped_indices(
             group by group (the other side).
     """
     local = hasattr(layout, "group_data_refs")
-    if local:
-        refs = read_kv_caches(layout)
-        block_counts = [[ref.num_blocks for ref in group] for group in refs]
-    else:
-        block_counts = [
-            [ref.num_blocks for ref in group] for group in read_peer(layout)
-        ]
+    groups: list[list[Any]] = read_kv_caches(layout) if local else read_peer(layout)
     ids = as_ids(block_ids, "block_ids")
     sizes = (len(ids),) if group_sizes is None else group_sizes
-    n_groups = len(block_counts)
+    n_groups = len(groups)
     ids, sizes_array, _ = read_spec(_Spec(ids, sizes, (0,) * n_groups), n_groups)
     indices = []
     first_index = first = 0
-    for group, (n, counts) in enumerate(zip(sizes_array.tolist(), block_counts)):
+    for group, (n, refs) in enumerate(zip(sizes_array.tolist(), groups)):
         group_ids = ids[first : first + n].astype(np.int64)
-        for d, count in enumerate(counts):
-            bad = np.flatnonzero((group_ids < 0) | (group_ids >= count))
-            if len(bad):
-                position = int(bad[0])
-                value = int(group_ids[position])
+        for d, ref in enumerate(refs):
+            if ((group_ids < 0) | (group_ids >= ref.num_blocks)).any():
                 if local:
-                    tensor_idx = refs[group][d].tensor_idx
-                    raise BlockIdError(
-                        f"group {group}, position {position}: block id {value} is "
-                        f"out of range for ref {d}, whose tensor {tensor_idx} has "
-                        f"{count} blocks",
-                        group=group,
-                        position=position,
-                        value=value,
-                    )
-                _check_remote(group_ids, PeerRef(0, 0, 0, count), group, d)
+                    raise _block_id_error(group_ids, ref, group, d)
+                _check_remote(group_ids, ref, group, d)
             indices.append(first_index + group_ids)
-            first_index += count
+            first_index += ref.num_blocks
         first += n
     if not indices:
         return np.zeros(0, np.int32)
