@@ -9,16 +9,17 @@ anything is written). What a failed call wrote is never returned: the wrapper
 zeroes it. Scratch space, too, is allocated by the wrapper and passed in.
 
 One module per family: common (columns, statuses, shared helpers), resolve,
-plan, coalesce, canonical (canonical and strided plans, SPEC 10), files
-(the file tier, SPEC 11), copy_blocks (vLLM's simple CPU offload path,
-SPEC 12) and nixl (NIXL's descriptor rows and prepared-list indices, SPEC
-14). The wrappers call the kernels through this package
+plan (with plan_runs: the runs of blocks it merges while it fills), coalesce
+(runs of descriptors, run states), canonical (canonical and strided plans,
+SPEC 10), files (the file tier, SPEC 11), copy_blocks (vLLM's simple CPU
+offload path, SPEC 12) and nixl (NIXL's descriptor rows and prepared-list
+indices, SPEC 14). The wrappers call the kernels through this package
 (as ``_kernels.resolve_kernel``), so that a benchmark may swap one in.
 
 Numba's on-disk cache of a kernel is invalidated by a change to the kernel's
-own file only: after editing a helper in common.py or coalesce.py, delete
-``ptrres/_kernels/__pycache__`` (or touch the kernels' files), or the cached
-kernels keep the old helper.
+own file only: after editing a helper in common.py, coalesce.py or
+plan_runs.py, delete ``ptrres/_kernels/__pycache__`` (or touch the kernels'
+files), or the cached kernels keep the old helper.
 """
 
 from .canonical import canonical_plan_kernel

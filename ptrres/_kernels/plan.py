@@ -12,18 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._config import inline_helper, kernel
-from .coalesce import (
-    FRESH,
-    SINGLE,
-    append_merged,
-    block_pointers,
-    fill_runs,
-    find_runs,
-    grown,
-    joined,
-    same_allocations,
-    steps_of,
-)
+from .coalesce import FRESH, SINGLE, append_merged, grown, joined, same_allocations
 from .common import (
     BAD_BLOCK_ID,
     BAD_OFFLOADED_ID,
@@ -47,6 +36,7 @@ from .common import (
     overlaps,
     rows_of,
 )
+from .plan_runs import block_pointers, fill_runs, find_runs, steps_of
 
 
 # One signature: the wrappers widen int32 ids (a copy that costs little next
@@ -87,7 +77,7 @@ def plan_kernel(
         max_run_bytes: the largest merged descriptor (>= 1), or NO_CAP.
         scratch: (6, m) with m > the largest group size: room for the chunk
             and sub-block of each block of a group, and for its runs
-            (coalesce.find_runs).
+            (plan_runs.find_runs).
         src, dst, sizes: outputs, at least as long as the number of ops.
 
     Returns:
@@ -351,7 +341,7 @@ def append_pages(
     Args:
         out: (device-side, offloaded-side, sizes) outputs; ``written`` of
             them are filled.
-        blocks: as coalesce.block_pointers.
+        blocks: as plan_runs.block_pointers.
         cap: max_run_bytes as uint64.
         last: (the ref of the last descriptor written, its run's state).
 
@@ -402,7 +392,7 @@ def fill_unmergeable(
     dev_out, off_out, sizes = out
     n_blocks = np.uint64(blocks[0].shape[0])
     prev_ref, state = last
-    # The last descriptor, kept in registers (as in coalesce.fill_runs).
+    # The last descriptor, kept in registers (as in plan_runs.fill_runs).
     run = (ZERO, ZERO, ZERO)
     if written > ZERO:
         run = (dev_out[written - ONE], off_out[written - ONE], sizes[written - ONE])
