@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     )
     from ._files import plan_file_ops
     from ._geometry import MemoryRegion
+    from ._heads import HeadSlice, TPMapping, rank_heads, tp_mapping
     from ._offloaded import OffloadedLayout
     from ._peer import PeerLayout, PeerRef
     from ._pointer_utils import (
@@ -70,6 +71,7 @@ __all__ = [
     "DevicePointers",
     "FilePlan",
     "GPULoadStoreSpec",
+    "HeadSlice",
     "InputTypeError",
     "LayoutError",
     "MemoryRegion",
@@ -84,14 +86,17 @@ __all__ = [
     "RemoteBlockIdError",
     "SpecError",
     "StridedTransferPlan",
+    "TPMapping",
     "TransferPlan",
     "WarmupReport",
     "clear_table_cache",
     "coalesce",
     "iter_pointer_groups",
     "plan_file_ops",
+    "rank_heads",
     "read_files",
     "resolve_device_pointers",
+    "tp_mapping",
     "warmup",
     "write_files",
 ]
@@ -112,6 +117,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
     "_files": ("plan_file_ops",),
     "_geometry": ("MemoryRegion",),
+    "_heads": ("HeadSlice", "TPMapping", "rank_heads", "tp_mapping"),
     "_offloaded": ("OffloadedLayout",),
     "_peer": ("PeerLayout", "PeerRef"),
     "_pointer_utils": (

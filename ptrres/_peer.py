@@ -32,7 +32,15 @@ from ._diagnose import failed_peer_plan_error
 from ._errors import InputTypeError, LayoutError, SpecError
 from ._geometry import ADDRESS_LIMIT, HOST, Groups
 from ._groups import GroupCounts
-from ._kernels.common import OFF_COLUMNS, REF_COLUMNS
+from ._heads import HeadSlice
+from ._kernels.common import (
+    BASE_PTR,
+    OFF_BASE_PTR,
+    OFF_COLUMNS,
+    OFF_SUB_BYTES,
+    PAGE_SIZE,
+    REF_COLUMNS,
+)
 from ._plan import plan_scratch
 from ._results import PeerTransferPlan
 
@@ -211,32 +219,97 @@ def _allocation_ids(refs: Sequence[PeerRef]) -> list[int]:
     return ids
 
 
-def check_peer(peer: Any, ref_rows: Groups, ref_counts: tuple[int, ...]) -> PeerLayout:
+class PeerPair(NamedTuple):
+    """A peer layout checked against a table, for one head slice (or none):
+    both sides' ref rows, each ref moved to the bytes it copies."""
+
+    peer: PeerLayout
+    heads: HeadSlice | None
+    # The table's ref_table (a PointerTable's columns), each ref's base moved
+    # to the slice and its page the slice's bytes.
+    local_refs: IntTable
+    # The peer's ref_table and its offloaded rows (one block to a chunk),
+    # likewise.
+    remote_refs: IntTable
+    remote_offloaded: IntTable
+    # Bytes one block of each group copies, over its refs.
+    group_bytes: tuple[int, ...]
+
+    def matches(self, peer: Any, heads: Any) -> bool:
+        """Whether this pair is of that peer and head slice."""
+        return peer is self.peer and (heads is self.heads or heads == self.heads)
+
+
+def pair_peer(
+    peer: Any,
+    heads: Any,
+    ref_table: IntTable,
+    ref_rows: Groups,
+    ref_counts: tuple[int, ...],
+) -> PeerPair:
     """A peer layout that pairs with a table of these refs: the same refs per
-    group, the same page per ref (SPEC 14)."""
+    group and, per ref, the same page on both sides (SPEC 14) or, with a head
+    slice, pages of the same bytes per head (SPEC 15)."""
     if not isinstance(peer, PeerLayout):
         raise InputTypeError(f"peer must be a PeerLayout, got {type(peer).__name__}")
+    if heads is not None and not isinstance(heads, HeadSlice):
+        raise InputTypeError(
+            f"heads must be a HeadSlice (of ptrres.tp_mapping) or None, got "
+            f"{type(heads).__name__}"
+        )
     if peer.group_data_ref_counts != ref_counts:
         raise LayoutError(
             f"the peer has refs per group {peer.group_data_ref_counts}, but this "
             f"table has {ref_counts}"
         )
+    slices = []
     for group, (local_refs, peer_refs) in enumerate(zip(ref_rows, peer.groups)):
         for d, (local, remote) in enumerate(zip(local_refs, peer_refs)):
-            if local.page_size_bytes != remote.page_size_bytes:
+            local_page, remote_page = local.page_size_bytes, remote.page_size_bytes
+            if heads is not None:
+                try:
+                    slices.append(heads.byte_range(local_page, remote_page))
+                except LayoutError as error:
+                    raise LayoutError(f"group {group}, ref {d}: {error}") from None
+            elif local_page != remote_page:
                 raise LayoutError(
-                    f"group {group}, ref {d}: the local page is "
-                    f"{local.page_size_bytes} B but the peer's is "
-                    f"{remote.page_size_bytes} B: a peer transfer copies the same "
-                    "page on both sides"
+                    f"group {group}, ref {d}: the local page is {local_page} B but "
+                    f"the peer's is {remote_page} B: a peer transfer copies the "
+                    "same page on both sides (or a head slice of them: heads=)"
                 )
-    return peer
+    if heads is None or heads.whole_page:
+        group_bytes = tuple(sum(r.page_size_bytes for r in refs) for refs in ref_rows)
+        return PeerPair(
+            peer, heads, ref_table, peer.ref_table, peer.offloaded_refs, group_bytes
+        )
+    local_offsets, remote_offsets, sizes = np.array(slices, np.int64).T
+    sliced = np.split(sizes, np.cumsum(ref_counts)[:-1])
+    return PeerPair(
+        peer,
+        heads,
+        moved_refs(ref_table, local_offsets, sizes, BASE_PTR, PAGE_SIZE),
+        moved_refs(peer.ref_table, remote_offsets, sizes, BASE_PTR, PAGE_SIZE),
+        moved_refs(
+            peer.offloaded_refs, remote_offsets, sizes, OFF_BASE_PTR, OFF_SUB_BYTES
+        ),
+        tuple(int(group.sum()) for group in sliced),
+    )
+
+
+def moved_refs(
+    refs: IntTable, offsets: IntTable, sizes: IntTable, base: int, page: int
+) -> IntTable:
+    """A copy of a kernel's ref rows, each ref's base moved by its offset and
+    its page (column ``page``) the size given: the slice of every block."""
+    moved: IntTable = refs.copy()
+    moved[:, base] += offsets
+    moved[:, page] = sizes
+    return moved
 
 
 def plan_peer(
-    ref_table: IntTable,
     group_ref_start: IntTable,
-    peer: PeerLayout,
+    pair: PeerPair,
     groups: IntTable,
     block_ids: npt.NDArray[Any],
     counts: GroupCounts,
@@ -249,8 +322,8 @@ def plan_peer(
     """Run the plan kernel for a peer transfer, on a checked spec and peer.
 
     Args:
-        ref_table, group_ref_start: the table's.
-        peer: check_peer()'s.
+        group_ref_start: the table's.
+        pair: pair_peer()'s.
         groups: the (2, n_groups) group sizes and zero block indices.
         max_run: max_run_bytes as the kernels take it (max_run_arg).
         ref_rows: the table's refs, group by group, for error messages.
@@ -258,6 +331,8 @@ def plan_peer(
             PointerTable.plan_peer_transfer().
     """
     n_ops, num_bytes, group_sizes, _ = counts
+    if pair.heads is not None:
+        num_bytes = sum(n * b for n, b in zip(group_sizes, pair.group_bytes))
     if block_ids.dtype is not INT64:
         block_ids = block_ids.astype(np.int64)
     remote = block_ids_arg(remote_ids, "remote_ids")
@@ -270,9 +345,9 @@ def plan_peer(
         )
     local_out, remote_out, sizes = out_arrays(out, n_ops, LOCAL_REMOTE_SIZES)
     written = _kernels.plan_kernel(
-        ref_table,
+        pair.local_refs,
         group_ref_start,
-        peer.offloaded_refs,
+        pair.remote_offloaded,
         block_ids,
         groups,
         remote,
@@ -288,7 +363,7 @@ def plan_peer(
     if written < 0:
         raise failed_peer_plan_error(
             written, (local_out, remote_out, sizes), ref_rows, block_ids,
-            group_sizes, remote, peer.groups,
+            group_sizes, remote, pair.peer.groups,
         )  # fmt: skip
     if written < n_ops:
         local_out, remote_out = local_out[:written], remote_out[:written]

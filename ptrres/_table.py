@@ -41,6 +41,7 @@ from ._groups import (
     groups_array,
     sizes_array,
 )
+from ._heads import HeadSlice
 from ._kernels.common import NO_CAP
 from ._offloaded import OffloadedLayout
 from ._results import (
@@ -103,8 +104,9 @@ class PointerTable:
         # last planned with canonically or strided (read and assigned whole).
         self._ref_mappings = _mappings.read_ref_mappings(kv_caches)
         self._canonical: _mappings.PlanTables | None = None
-        # The peer layout last planned with, once checked against this table.
-        self._peer: _peer.PeerLayout | None = None
+        # The peer layout and head slice last planned with, once checked
+        # against this table (read and assigned whole).
+        self._peer: _peer.PeerPair | None = None
         # Peer plans take no offloaded chunks: every group's block index is 0.
         self._zero_indices = (0,) * self.num_groups
 
@@ -295,6 +297,7 @@ class PointerTable:
         peer: _peer.PeerLayout,
         remote_ids: Any,
         *,
+        heads: HeadSlice | None = None,
         coalesce: bool = False,
         max_run_bytes: int | None = None,
         out: Buffers | None = None,
@@ -317,6 +320,10 @@ class PointerTable:
                 table, with the same page per ref.
             remote_ids: the peer's block ids, one per local block id and in
                 the same order: group by group, as the spec's group sizes say.
+            heads: a slice of the KV heads (one of ptrres.tp_mapping()'s, for
+                the peer rank this layout is of): each copy is then that
+                slice of the page on each side (SPEC 15). None: the whole
+                page, the same on both sides.
             coalesce: merge descriptors that continue each other on both sides
                 (upwards or downwards, never across two allocations on either
                 side: SPEC 6), in the same pass.
@@ -333,21 +340,22 @@ class PointerTable:
             RemoteBlockIdError: a remote id outside its peer ref (out's first
                 entries are zeroed on either).
             SpecError: not one remote id per local block id; malformed spec.
-            LayoutError: a peer of other refs per group or other pages.
+            LayoutError: a peer of other refs per group or other pages (or,
+                with heads, pages of other bytes per head).
             InputTypeError, OutBufferError: malformed input.
         """
         block_ids, counts = self._read_spec(device_spec)
         if type(coalesce) is not bool:
             raise InputTypeError(f"coalesce must be True or False, got {coalesce!r}")
         max_run = NO_CAP if max_run_bytes is None else max_run_arg(max_run_bytes)
-        if peer is not self._peer:
-            self._peer = _peer.check_peer(
-                peer, self._groups, self.group_data_ref_counts
+        pair = self._peer
+        if pair is None or not pair.matches(peer, heads):
+            pair = self._peer = _peer.pair_peer(
+                peer, heads, self.ref_table, self._groups, self.group_data_ref_counts
             )
         return _peer.plan_peer(
-            self.ref_table,
             self.group_ref_start,
-            peer,
+            pair,
             groups_array(self._group_arrays, counts.group_sizes, self._zero_indices),
             block_ids,
             counts,

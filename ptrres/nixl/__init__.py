@@ -34,7 +34,7 @@ from ._memory import (
     register_files,
     vram,
 )
-from ._prepped import PreppedRows, prepped_indices, prepped_rows
+from ._prepped import PreppedRows, prepped_indices, prepped_pair, prepped_rows
 
 __all__ = [
     "DRAM",
@@ -46,6 +46,7 @@ __all__ = [
     "memory_of",
     "peer_xfer_descs",
     "prepped_indices",
+    "prepped_pair",
     "prepped_rows",
     "register",
     "register_files",

@@ -16,10 +16,11 @@ from .._args import block_ids_arg
 from .._diagnose import overlap_error, remote_ids_error, resolve_error
 from .._errors import InputTypeError, LayoutError, OutBufferError
 from .._groups import check_groups
+from .._heads import HeadSlice
 from .._kernels.common import BASE_PTR, NUM_BLOCKS, PAGE_SIZE, ROW_STRIDE
-from .._peer import PeerLayout
+from .._peer import PeerLayout, moved_refs, pair_peer
 from .._table import PointerTable
-from ._memory import Memory, memory_of
+from ._memory import DRAM, Memory, memory_of
 
 # NIXL indices are C ints: a prepared list holds at most this many.
 MAX_PREPPED_DESCRIPTORS = 2**31 - 1
@@ -41,18 +42,64 @@ class PreppedRows(NamedTuple):
 
 
 def prepped_rows(
-    layout: PointerTable | PeerLayout, *, memory: Memory | None = None
+    layout: PointerTable | PeerLayout,
+    *,
+    heads: HeadSlice | None = None,
+    memory: Memory | None = None,
 ) -> PreppedRows:
     """The strided rows of a table's or a peer layout's prepared list: one
     row per ref, ``(base, page, devId, stride, count)`` (SPEC 14).
 
     Args:
+        heads: a slice of the KV heads (SPEC 15; ptrres.tp_mapping()): each
+            row is then that slice of its pages, ``(base + offset, size,
+            devId, stride, count)``, on this engine's side for a table and on
+            the peer rank's for a peer layout. prepped_pair() makes both
+            sides' lists and checks that they pair.
         memory: the rows' memory (default: memory_of(layout)).
 
     Raises:
-        LayoutError: more descriptors than NIXL's int indices reach.
+        LayoutError: more descriptors than NIXL's int indices reach; a page
+            that does not split into the slice's heads.
     """
     table = _ref_table(layout)
+    if heads is not None:
+        table = _sliced(table, heads, isinstance(layout, PointerTable))
+    return _rows(table, memory_of(layout) if memory is None else memory_of(memory))
+
+
+def prepped_pair(
+    table: PointerTable, peer: PeerLayout, heads: HeadSlice | None = None
+) -> tuple[PreppedRows, PreppedRows]:
+    """Both sides' prepared lists for transfers between a table and one peer
+    layout (one peer rank): ``(local, remote)``, each as prepped_rows()
+    makes it, checked to pair as plan_peer_transfer() checks them: the same
+    refs per group, and each ref's rows of the same bytes on both sides (the
+    same page, or with ``heads``, the slice of each side's page).
+
+    With a TPMapping, one pair per source rank: ``prepped_pair(table,
+    peers[s.source_rank], s) for s in mapping.slices``; the indices of
+    prepped_indices() are the same for every pair.
+
+    Raises:
+        LayoutError: a peer that does not pair with the table (naming the
+            group, the ref and the bytes).
+        InputTypeError: a table or peer of the wrong type.
+    """
+    if not isinstance(table, PointerTable):
+        raise InputTypeError(
+            f"table must be a PointerTable, got {type(table).__name__}"
+        )
+    pair = pair_peer(
+        peer, heads, table.ref_table, table._groups, table.group_data_ref_counts
+    )
+    return (
+        _rows(pair.local_refs, memory_of(table)),
+        _rows(pair.remote_refs, memory_of(peer)),
+    )
+
+
+def _rows(table: npt.NDArray[np.int64], memory: Memory) -> PreppedRows:
     counts = table[:, NUM_BLOCKS]
     if int(counts.sum()) > MAX_PREPPED_DESCRIPTORS:
         raise LayoutError(
@@ -60,7 +107,6 @@ def prepped_rows(
             f"descriptor per block would pass NIXL's {MAX_PREPPED_DESCRIPTORS} "
             "indices"
         )
-    memory = memory_of(layout) if memory is None else memory_of(memory)
     rows = np.empty((len(table), 5), np.uint64)
     rows[:, 0] = table[:, BASE_PTR]
     rows[:, 1] = table[:, PAGE_SIZE]
@@ -68,6 +114,24 @@ def prepped_rows(
     rows[:, 3] = table[:, ROW_STRIDE]
     rows[:, 4] = counts
     return PreppedRows(rows, memory.mem_type)
+
+
+def _sliced(
+    table: npt.NDArray[np.int64], heads: Any, local: bool
+) -> npt.NDArray[np.int64]:
+    """A ref table's rows moved to one head slice of their pages."""
+    if not isinstance(heads, HeadSlice):
+        raise InputTypeError(
+            f"heads must be a HeadSlice (of ptrres.tp_mapping()) or None, got "
+            f"{type(heads).__name__}"
+        )
+    slice_range = heads.local_range if local else heads.remote_range
+    offsets, sizes = (
+        np.array([slice_range(int(page)) for page in table[:, PAGE_SIZE]], np.int64)
+        .reshape(len(table), 2)
+        .T
+    )
+    return moved_refs(table, offsets, sizes, BASE_PTR, PAGE_SIZE)
 
 
 def prepped_indices(
@@ -168,7 +232,7 @@ def _index_table(layout: Any) -> npt.NDArray[np.int64]:
     if table is None:
         counts = ref_table[:, NUM_BLOCKS]
         if int(counts.sum()) > MAX_PREPPED_DESCRIPTORS:
-            prepped_rows(layout)  # raises the LayoutError
+            _rows(ref_table, DRAM)  # raises the LayoutError
         table = ref_table.copy()
         table[:, BASE_PTR] = np.cumsum(counts) - counts
         _index_tables[layout] = table

@@ -16,7 +16,8 @@ One module per capability, each importing nothing of ptrres but its errors
 and result types: _resolve (resolve_device_pointers, iter_pointer_groups),
 _plans (plan_transfer), _coalesce, _files (plan_file_ops), _canonical
 (plan_canonical_transfer, plan_strided_transfer), _peer (plan_peer_transfer
-and prepped_indices: peer transfers, NIXL's prepared-list indices), _execute
+and prepped_indices: peer transfers, NIXL's prepared-list indices), _heads
+(tp_mapping: different TP on the two sides, head by head), _execute
 (execute, execute_descriptors: a plan applied to host memory, one memmove per
 descriptor, in order) and _input, the input checks they share.
 """
@@ -25,6 +26,7 @@ from ._canonical import plan_canonical_transfer, plan_strided_transfer
 from ._coalesce import coalesce
 from ._execute import execute, execute_descriptors
 from ._files import plan_file_ops
+from ._heads import tp_mapping
 from ._peer import plan_peer_transfer, prepped_indices
 from ._plans import plan_transfer
 from ._resolve import iter_pointer_groups, resolve_device_pointers
@@ -41,4 +43,5 @@ __all__ = [
     "plan_transfer",
     "prepped_indices",
     "resolve_device_pointers",
+    "tp_mapping",
 ]

@@ -19,6 +19,7 @@ from .._errors import (
     RemoteBlockIdError,
     SpecError,
 )
+from .._heads import HeadSlice
 from .._results import PeerTransferPlan
 from ._input import as_ids, as_int, as_list, read_kv_caches, read_spec
 from ._resolve import _block_id_error, resolve_device_pointers
@@ -73,7 +74,11 @@ def read_peer(group_refs: Any) -> list[list[PeerRef]]:
 
 
 def plan_peer_transfer(
-    device_spec: Any, kv_caches: Any, peer_group_refs: Any, remote_ids: Any
+    device_spec: Any,
+    kv_caches: Any,
+    peer_group_refs: Any,
+    remote_ids: Any,
+    heads: HeadSlice | None = None,
 ) -> PeerTransferPlan:
     """Copies between this engine's blocks and a peer's (SPEC 14): for group
     g, ref d, block k, ``(local_base + local_id * local_stride, remote_base +
@@ -81,7 +86,8 @@ def plan_peer_transfer(
 
     The local side is resolve_device_pointers(); the remote side one
     vectorised expression per group and ref, each remote id checked against
-    its peer ref.
+    its peer ref. With ``heads`` (SPEC 15), each copy is the slice's heads:
+    both pointers move to the slice's first head and the size is its heads.
     """
     layout = read_kv_caches(kv_caches)
     peer = read_peer(peer_group_refs)
@@ -91,14 +97,20 @@ def plan_peer_transfer(
             f"the peer has refs per group {counts}, but this table has "
             f"{tuple(len(refs) for refs in layout)}"
         )
+    # Per ref: (local offset, remote offset, size) of what it copies.
+    copies: list[tuple[int, int, int]] = []
     for group, (local_refs, peer_refs) in enumerate(zip(layout, peer)):
         for d, (local_ref, peer_ref) in enumerate(zip(local_refs, peer_refs)):
+            if heads is not None:
+                copies.append(_head_bytes(heads, local_ref, peer_ref, group, d))
+                continue
+            copies.append((0, 0, local_ref.page_size_bytes))
             if local_ref.page_size_bytes != peer_ref.page_size_bytes:
                 raise LayoutError(
                     f"group {group}, ref {d}: the local page is "
                     f"{local_ref.page_size_bytes} B but the peer's is "
-                    f"{peer_ref.page_size_bytes} B: a peer transfer copies the same "
-                    "page on both sides"
+                    f"{peer_ref.page_size_bytes} B: a peer transfer copies the "
+                    "same page on both sides (or a head slice of them: heads=)"
                 )
     device_ptrs = resolve_device_pointers(device_spec, kv_caches)
     remote = as_ids(remote_ids, "remote_ids")
@@ -108,21 +120,46 @@ def plan_peer_transfer(
             f"there are {len(remote)} remote ids but {n_ids} local block ids: "
             "each local block pairs with one remote block"
         )
+    local_ptrs = device_ptrs.ptrs.copy()
     remote_ptrs = np.empty(len(device_ptrs.ptrs), np.uint64)
-    op = first = 0
+    sizes = np.empty(len(device_ptrs.ptrs), np.uint64)
+    op = first = ref_index = 0
     for group, (n, refs) in enumerate(zip(device_ptrs.group_block_counts, peer)):
         ids = remote[first : first + n]
         for d, ref in enumerate(refs):
             _check_remote(ids, ref, group, d)
-            remote_ptrs[op : op + n] = np.uint64(ref.base_ptr) + ids.astype(
-                np.uint64
-            ) * np.uint64(ref.row_stride_bytes)
+            local_offset, remote_offset, size = copies[ref_index]
+            local_ptrs[op : op + n] += np.uint64(local_offset)
+            remote_ptrs[op : op + n] = np.uint64(
+                ref.base_ptr + remote_offset
+            ) + ids.astype(np.uint64) * np.uint64(ref.row_stride_bytes)
+            sizes[op : op + n] = size
             op += n
+            ref_index += 1
         first += n
-    sizes = device_ptrs.sizes
     return PeerTransferPlan(
-        device_ptrs.ptrs, remote_ptrs, sizes, int(sizes.sum(dtype=np.uint64))
+        local_ptrs, remote_ptrs, sizes, int(sizes.sum(dtype=np.uint64))
     )
+
+
+def _head_bytes(
+    heads: HeadSlice, local_ref: Any, peer_ref: PeerRef, group: int, d: int
+) -> tuple[int, int, int]:
+    """A head slice of one ref's pages, in bytes: (local offset, remote
+    offset, size), the two sides' heads of the same bytes."""
+    local_page, remote_page = local_ref.page_size_bytes, peer_ref.page_size_bytes
+    if local_page % heads.local_heads or remote_page % heads.remote_heads:
+        raise LayoutError(
+            f"group {group}, ref {d}: pages of {local_page} B and {remote_page} B "
+            f"do not split into {heads.local_heads} and {heads.remote_heads} heads"
+        )
+    head = local_page // heads.local_heads
+    if remote_page // heads.remote_heads != head:
+        raise LayoutError(
+            f"group {group}, ref {d}: a head is {head} B here but "
+            f"{remote_page // heads.remote_heads} B at the peer"
+        )
+    return heads.local_head * head, heads.remote_head * head, heads.num_heads * head
 
 
 def _check_remote(ids: npt.NDArray[Any], ref: PeerRef, group: int, d: int) -> None:

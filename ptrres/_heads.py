@@ -1,0 +1,244 @@
+"""Different TP on prefill and decode (SPEC 15): which KV heads a rank holds,
+which ranks of the peer engine hold them, and where in each page.
+
+Rank ``r`` of an engine at TP size ``T``, for a model of ``H`` KV heads, holds
+heads ``[r * H / T, (r + 1) * H / T)`` when ``T <= H``; when ``T > H`` it holds
+the one head ``r * H // T``, which ``T / H`` consecutive ranks share (GQA
+replication). Its pages hold its heads outermost (HND: vLLM's ``LBHNC``), so a
+run of heads is one byte range of every page. MLA's latent pages have no heads
+to split: every rank holds the whole page.
+
+tp_mapping() answers, for one rank of this engine (the one whose pages must end
+up holding its heads: the decode rank that reads, or that a prefill rank
+writes to), the peer ranks that hold its heads and one HeadSlice per peer
+rank: the heads it fills of this rank's page and the heads it reads of the
+peer rank's. No head is read twice, and every head of this rank is read once.
+Only plain integers here: plan_peer_transfer and ptrres.nixl turn a slice into
+bytes per ref (HeadSlice.byte_range).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ._args import as_int
+from ._errors import InputTypeError, LayoutError
+
+# Where a page's heads lie: outermost (one byte range per run of heads) or
+# innermost but for the channels (one fragment per token).
+HND = "HND"
+NHD = "NHD"
+
+
+def rank_heads(tp_rank: int, tp_size: int, num_kv_heads: int) -> range:
+    """The KV heads that rank ``tp_rank`` of an engine at TP ``tp_size``
+    holds, in the order its pages hold them (SPEC 15)."""
+    if tp_size <= num_kv_heads:
+        per_rank = num_kv_heads // tp_size
+        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    head = tp_rank * num_kv_heads // tp_size
+    return range(head, head + 1)
+
+
+class HeadSlice(NamedTuple):
+    """What one peer rank gives this rank: ``num_heads`` heads, read at head
+    slot ``remote_head`` of the peer rank's page, written at head slot
+    ``local_head`` of this rank's page. A page of this rank holds
+    ``local_heads`` heads, a page of the peer rank ``remote_heads``."""
+
+    source_rank: int
+    local_head: int
+    remote_head: int
+    num_heads: int
+    local_heads: int
+    remote_heads: int
+
+    @property
+    def whole_page(self) -> bool:
+        """Whether the slice is every head of a page on both sides: a plain
+        peer transfer, which any page layout allows."""
+        return self.num_heads == self.local_heads == self.remote_heads
+
+    def byte_range(self, local_page: int, remote_page: int) -> tuple[int, int, int]:
+        """The slice in bytes, for a ref of pages ``local_page`` here and
+        ``remote_page`` at the peer rank: ``(local_offset, remote_offset,
+        size)``.
+
+        Raises:
+            LayoutError: a page that does not split into its heads, or a head
+                of other bytes on the two sides.
+        """
+        local_offset, size = self.local_range(local_page)
+        remote_offset, remote_size = self.remote_range(remote_page)
+        if remote_size != size:
+            head, remote_head = size // self.num_heads, remote_size // self.num_heads
+            raise LayoutError(
+                f"a head is {head} B in this rank's page ({local_page} B, "
+                f"{self.local_heads} heads) but {remote_head} B in peer rank "
+                f"{self.source_rank}'s ({remote_page} B, {self.remote_heads} heads): "
+                f"its page must be {head * self.remote_heads} B"
+            )
+        return local_offset, remote_offset, size
+
+    def local_range(self, page: int) -> tuple[int, int]:
+        """``(offset, size)`` of the slice in a page of this rank."""
+        head = _head_bytes(page, "this rank's", self.local_heads)
+        return self.local_head * head, self.num_heads * head
+
+    def remote_range(self, page: int) -> tuple[int, int]:
+        """``(offset, size)`` of the slice in a page of the peer rank."""
+        head = _head_bytes(page, f"peer rank {self.source_rank}'s", self.remote_heads)
+        return self.remote_head * head, self.num_heads * head
+
+
+def _head_bytes(page: int, whose: str, heads: int) -> int:
+    """Bytes of one head in a page of ``heads`` heads."""
+    if page % heads:
+        raise LayoutError(
+            f"{whose} page of {page} B does not split into its {heads} heads"
+        )
+    return page // heads
+
+
+@dataclass(frozen=True)
+class TPMapping:
+    """tp_mapping()'s answer: the peer ranks one rank reads its heads from.
+
+    ``slices[i]`` is what peer rank ``source_ranks[i]`` gives; one transfer
+    (one NIXL agent) per slice.
+    """
+
+    tp_rank: int
+    tp_size: int
+    peer_tp_size: int
+    num_kv_heads: int
+    mla: bool
+    slices: tuple[HeadSlice, ...]
+
+    @property
+    def source_ranks(self) -> tuple[int, ...]:
+        """The peer ranks this rank reads from, in the order of its heads."""
+        return tuple(s.source_rank for s in self.slices)
+
+    def slice_of(self, source_rank: int) -> HeadSlice:
+        """The slice peer rank ``source_rank`` gives."""
+        for s in self.slices:
+            if s.source_rank == source_rank:
+                return s
+        raise LayoutError(
+            f"peer rank {source_rank} holds none of rank {self.tp_rank}'s heads; "
+            f"its source ranks are {list(self.source_ranks)}"
+        )
+
+
+def tp_mapping(
+    tp_rank: int,
+    tp_size: int,
+    peer_tp_size: int,
+    num_kv_heads: int,
+    *,
+    mla: bool = False,
+    kv_layout: str = HND,
+) -> TPMapping:
+    """The peer ranks that hold this rank's KV heads, and the slice of pages
+    each one gives (SPEC 15).
+
+    Args:
+        tp_rank: this rank, ``0 <= tp_rank < tp_size``.
+        tp_size: this engine's tensor parallelism.
+        peer_tp_size: the peer engine's; one of the two divides the other.
+        num_kv_heads: the model's KV heads over all ranks; each TP size splits
+            them evenly (``H % T == 0``) or replicates them (``T % H == 0``).
+        mla: replicated latent pages (MLA): one source rank, the whole page.
+        kv_layout: the pages' layout, ``"HND"`` (heads outermost) or ``"NHD"``
+            (heads inside each token), the same on both sides. A slice of the
+            heads is one byte range of an HND page only: NHD pages are refused
+            unless every slice is a whole page.
+
+    Raises:
+        LayoutError: a combination that cannot be, naming the numbers.
+        InputTypeError: an argument of the wrong type.
+    """
+    tp_rank, tp_size, peer_tp_size, num_kv_heads = (
+        as_int(value, name)
+        for value, name in (
+            (tp_rank, "tp_rank"),
+            (tp_size, "tp_size"),
+            (peer_tp_size, "peer_tp_size"),
+            (num_kv_heads, "num_kv_heads"),
+        )
+    )
+    if type(mla) is not bool:
+        raise InputTypeError(f"mla must be True or False, got {mla!r}")
+    if kv_layout not in (HND, NHD):
+        raise InputTypeError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
+    if min(tp_size, peer_tp_size, num_kv_heads) < 1:
+        raise LayoutError(
+            f"tp_size {tp_size}, peer_tp_size {peer_tp_size} and num_kv_heads "
+            f"{num_kv_heads} must each be at least 1"
+        )
+    if not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"tp_rank {tp_rank} is not a rank of TP {tp_size}")
+    if max(tp_size, peer_tp_size) % min(tp_size, peer_tp_size):
+        raise LayoutError(
+            f"TP {tp_size} here and TP {peer_tp_size} at the peer: neither divides "
+            "the other, so a rank's heads do not come from whole ranks of the other"
+        )
+    if mla:
+        source = tp_rank * peer_tp_size // tp_size
+        slices: tuple[HeadSlice, ...] = (HeadSlice(source, 0, 0, 1, 1, 1),)
+    else:
+        for side, size in (("this engine", tp_size), ("the peer", peer_tp_size)):
+            if max(size, num_kv_heads) % min(size, num_kv_heads):
+                raise LayoutError(
+                    f"{num_kv_heads} KV heads do not split over TP {size} ({side}): "
+                    "the TP size must divide the heads, or the heads the TP size"
+                )
+        slices = _head_slices(tp_rank, tp_size, peer_tp_size, num_kv_heads)
+        if kv_layout == NHD and not all(s.whole_page for s in slices):
+            raise LayoutError(
+                f"NHD pages: rank {tp_rank} of TP {tp_size} reads "
+                f"{slices[0].num_heads} of the {slices[0].remote_heads} heads of a "
+                f"page of TP {peer_tp_size}, which NHD pages hold as one fragment "
+                "per token; head-slice HND pages (vLLM's kv_cache_layout 'HND'), "
+                "or run both engines at the same TP"
+            )
+    return TPMapping(tp_rank, tp_size, peer_tp_size, num_kv_heads, mla, slices)
+
+
+def _head_slices(
+    tp_rank: int, tp_size: int, peer_tp_size: int, num_kv_heads: int
+) -> tuple[HeadSlice, ...]:
+    """One slice per peer rank that gives this rank heads: the peer ranks
+    whose heads overlap this rank's, each giving the heads no earlier one
+    gave (so that of the ranks that share a head, the first reads it)."""
+    local = rank_heads(tp_rank, tp_size, num_kv_heads)
+    if tp_size >= peer_tp_size:
+        # This rank's heads lie in one peer rank's (several of this
+        # engine's ranks read one peer rank).
+        source = tp_rank * peer_tp_size // tp_size
+        candidates = range(source, source + 1)
+    else:
+        # Several peer ranks' heads make up this rank's.
+        per_rank = peer_tp_size // tp_size
+        candidates = range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    slices = []
+    next_head = local.start
+    for source in candidates:
+        held = rank_heads(source, peer_tp_size, num_kv_heads)
+        first, stop = max(held.start, next_head), min(held.stop, local.stop)
+        if first < stop:
+            slices.append(
+                HeadSlice(
+                    source,
+                    first - local.start,
+                    first - held.start,
+                    stop - first,
+                    len(local),
+                    len(held),
+                )
+            )
+            next_head = stop
+    assert next_head == local.stop, (tp_rank, tp_size, peer_tp_size, num_kv_heads)
+    return tuple(slices)

@@ -1,0 +1,74 @@
+"""Different TP on prefill and decode (SPEC 15), head by head: which peer
+rank gives each KV head of a rank, in code of its own.
+
+The fast path (ptrres._heads) intersects ranges of heads; this one walks the
+model's heads one at a time, asks which ranks hold each, and groups a rank's
+heads by the peer rank that gives them.
+"""
+
+from __future__ import annotations
+
+from .._errors import InputTypeError, LayoutError
+from .._heads import HND, NHD, HeadSlice, TPMapping
+
+
+def holds(rank: int, tp_size: int, num_kv_heads: int, head: int) -> bool:
+    """Whether rank ``rank`` of TP ``tp_size`` holds KV head ``head``."""
+    if tp_size <= num_kv_heads:
+        return head * tp_size // num_kv_heads == rank
+    return rank * num_kv_heads // tp_size == head
+
+
+def tp_mapping(
+    tp_rank: int,
+    tp_size: int,
+    peer_tp_size: int,
+    num_kv_heads: int,
+    *,
+    mla: bool = False,
+    kv_layout: str = HND,
+) -> TPMapping:
+    """The peer ranks that give rank ``tp_rank`` its heads, one HeadSlice
+    each (as ptrres.tp_mapping)."""
+    numbers = (tp_rank, tp_size, peer_tp_size, num_kv_heads)
+    if any(type(n) is not int for n in numbers) or type(mla) is not bool:
+        raise InputTypeError(f"tp_mapping takes ints and a bool, got {numbers}, {mla}")
+    if kv_layout not in (HND, NHD):
+        raise InputTypeError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
+    if min(tp_size, peer_tp_size, num_kv_heads) < 1 or not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"no such rank or heads: {numbers}")
+    if tp_size % peer_tp_size and peer_tp_size % tp_size:
+        raise LayoutError(f"TP {tp_size} and {peer_tp_size} do not divide")
+    if mla:
+        source = tp_rank * peer_tp_size // tp_size
+        return TPMapping(*numbers, mla, (HeadSlice(source, 0, 0, 1, 1, 1),))
+    for size in (tp_size, peer_tp_size):
+        if size % num_kv_heads and num_kv_heads % size:
+            raise LayoutError(f"{num_kv_heads} KV heads over TP {size}")
+    heads = range(num_kv_heads)
+    mine = [h for h in heads if holds(tp_rank, tp_size, num_kv_heads, h)]
+    if tp_size >= peer_tp_size:
+        candidates = [tp_rank * peer_tp_size // tp_size]
+    else:
+        per_rank = peer_tp_size // tp_size
+        candidates = list(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
+    # The first candidate that holds each of my heads gives it.
+    giver = {
+        h: next(s for s in candidates if holds(s, peer_tp_size, num_kv_heads, h))
+        for h in mine
+    }
+    slices: list[HeadSlice] = []
+    for slot, h in enumerate(mine):
+        source = giver[h]
+        theirs = [x for x in heads if holds(source, peer_tp_size, num_kv_heads, x)]
+        if slices and slices[-1].source_rank == source:
+            slices[-1] = slices[-1]._replace(num_heads=slices[-1].num_heads + 1)
+        else:
+            slices.append(
+                HeadSlice(source, slot, theirs.index(h), 1, len(mine), len(theirs))
+            )
+    if kv_layout == NHD and any(
+        not s.num_heads == s.local_heads == s.remote_heads for s in slices
+    ):
+        raise LayoutError(f"NHD pages cannot be head-sliced: {numbers}")
+    return TPMapping(*numbers, mla, tuple(slices))
