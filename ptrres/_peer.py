@@ -32,7 +32,7 @@ from ._diagnose import failed_peer_plan_error
 from ._errors import InputTypeError, LayoutError, SpecError
 from ._geometry import ADDRESS_LIMIT, HOST, Groups
 from ._groups import GroupCounts
-from ._heads import HeadSlice
+from ._heads import HND, NHD, HeadSlice
 from ._kernels.common import (
     BASE_PTR,
     OFF_BASE_PTR,
@@ -87,9 +87,17 @@ class PeerLayout:
     Args:
         group_refs: per group, its refs: PeerRefs, tuples of their fields, or
             objects with their attribute names.
+        kv_layout: the peer's page layout where known, ``"HND"`` or
+            ``"NHD"`` (SPEC 15): a plan that slices heads out of NHD pages is
+            refused. None: unknown (the caller's word, as with tp_mapping's).
     """
 
-    def __init__(self, group_refs: Any) -> None:
+    def __init__(self, group_refs: Any, *, kv_layout: str | None = None) -> None:
+        if kv_layout not in (None, HND, NHD):
+            raise InputTypeError(
+                f"kv_layout must be 'HND', 'NHD' or None, got {kv_layout!r}"
+            )
+        self.kv_layout = kv_layout
         groups = [
             tuple(
                 _peer_ref(ref, g, d)
@@ -146,11 +154,89 @@ class PeerLayout:
             ]
         )
 
+    @classmethod
+    def from_nixl_metadata(cls, metadata: Any) -> PeerLayout:
+        """The peer layout a vLLM NIXL handshake describes (vLLM 0.30 to 0.33's
+        ``NixlAgentMetadata``, or any object with its fields), so that a
+        connector plans against what it received.
+
+        Read: ``kv_caches_base_addr``, ``block_lens`` and ``block_strides``
+        (one region each: a ref), ``region_num_blocks`` (else ``num_blocks``
+        for every region), ``region_group_ids`` (region r serves group
+        ``region_group_ids[r]``, or every group where -1; None or one group
+        id: one group), ``device_id`` and ``region_mem_types`` ("DRAM":
+        host; without them, the regions are VRAM of ``device_id``), and
+        ``kv_cache_layout``. Refused (LayoutError): Mamba state
+        (``ssm_sizes``), context parallelism (``dcp_size``, ``pcp_size`` over
+        1) and packed regions (``packed_member_layouts``), whose pages are not
+        one block per row; fields of other lengths. Each region is its own
+        registration (allocation None), as vLLM registers them.
+        """
+        groups, kv_layout = nixl_metadata_groups(metadata)
+        return cls(groups, kv_layout=kv_layout)
+
     def __repr__(self) -> str:
         return (
             f"PeerLayout({len(self.groups)} groups, "
             f"refs per group {self.group_data_ref_counts})"
         )
+
+
+def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None]:
+    """A vLLM NixlAgentMetadata's regions as a PeerLayout's groups, and its
+    page layout (PeerLayout.from_nixl_metadata)."""
+    fields = ("kv_caches_base_addr", "block_lens", "block_strides", "num_blocks")
+    bases, lens, strides, num_blocks = attributes(metadata, fields, "metadata")
+    bases, lens, strides = (
+        as_list(value, f"metadata.{name}")
+        for value, name in zip((bases, lens, strides), fields)
+    )
+    dcp, pcp = (getattr(metadata, name, 1) for name in ("dcp_size", "pcp_size"))
+    what = {
+        "ssm_sizes (Mamba state)": any(getattr(metadata, "ssm_sizes", None) or ()),
+        f"dcp_size {dcp}": dcp != 1,
+        f"pcp_size {pcp}": pcp != 1,
+        "packed_member_layouts": bool(getattr(metadata, "packed_member_layouts", {})),
+    }
+    refused = [name for name, present in what.items() if present]
+    if refused:
+        raise LayoutError(
+            f"the peer's handshake has {', '.join(refused)}: ptrres reads regions "
+            "of one KV page per block only"
+        )
+    n = len(bases)
+    counts = getattr(metadata, "region_num_blocks", None) or [num_blocks] * n
+    owners = getattr(metadata, "region_group_ids", None) or [0] * n
+    mem_types = getattr(metadata, "region_mem_types", None) or ["VRAM"] * n
+    for name, values in (
+        ("block_lens", lens),
+        ("block_strides", strides),
+        ("region_num_blocks", counts),
+        ("region_group_ids", owners),
+        ("region_mem_types", mem_types),
+    ):
+        if len(values) != n:
+            raise LayoutError(
+                f"the peer's handshake has {n} regions (kv_caches_base_addr) but "
+                f"{len(values)} {name}"
+            )
+    device = as_int(getattr(metadata, "device_id", 0), "metadata.device_id")
+    refs = [
+        PeerRef(base, stride, page, blocks, HOST if mem == "DRAM" else device)
+        for base, page, stride, blocks, mem in zip(
+            bases, lens, strides, counts, mem_types
+        )
+    ]
+    group_ids = sorted({as_int(g, "metadata.region_group_ids") for g in owners} - {-1})
+    if len(group_ids) <= 1:  # vLLM maps no groups to regions: one group
+        groups = [refs]
+    else:
+        groups = [
+            [ref for ref, owner in zip(refs, owners) if owner in (g, -1)]
+            for g in range(group_ids[-1] + 1)
+        ]
+    layout = getattr(metadata, "kv_cache_layout", None)
+    return groups, layout if layout in (HND, NHD) else None
 
 
 def _peer_ref(entry: Any, group: int, d: int) -> PeerRef:
@@ -277,6 +363,12 @@ def pair_peer(
                     f"the peer's is {remote_page} B: a peer transfer copies the "
                     "same page on both sides (or a head slice of them: heads=)"
                 )
+    if heads is not None and not heads.whole_page and peer.kv_layout == NHD:
+        raise LayoutError(
+            f"the peer's pages are NHD: the {heads.num_heads} of {heads.remote_heads} "
+            f"heads rank {heads.source_rank} gives are one fragment per token, not "
+            "one byte range; head-slice HND pages (vLLM's kv_cache_layout 'HND')"
+        )
     if heads is None or heads.whole_page:
         group_bytes = tuple(sum(r.page_size_bytes for r in refs) for refs in ref_rows)
         return PeerPair(
