@@ -3,7 +3,9 @@
 Every import in ptrres is read with ``ast`` (at the top, under
 ``TYPE_CHECKING``, inside functions), and no module may import one that
 imports it back, however far round. The facade (PointerTable) calls the
-planners with plain arrays; the planners never import the facade.
+planners with plain arrays; the planners never import the facade. And every
+room stays small enough to hold one job: the size gauge (a module 500 lines,
+a function 100, compiled code 200).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -315,3 +318,100 @@ def test_importing_ptrres_imports_none_of_it() -> None:
     )
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# The size gauge: past it, a module or a function holds more than one job.
+MODULE_LINES = 500
+FUNCTION_LINES = 100
+# Compiled code (kernels, and the helpers compiled into them) may run longer:
+# split into helpers that take arrays, a kernel pays Numba's reference
+# counting on every call (docs/design.md, "Tried and dropped").
+COMPILED_LINES = 200
+COMPILED_DECORATORS = {"kernel", "inline_helper"}
+# Modules allowed past MODULE_LINES for now (their functions are not).
+OVER_THE_GAUGE = {
+    # PointerTable, the longest class of the package: being split (issue 35,
+    # item 4). Remove it from here once it is.
+    "_table.py",
+}
+
+
+def is_compiled(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Decorated with ``@kernel(...)`` or ``@inline_helper`` (ptrres._config)."""
+    for decorator in function.decorator_list:
+        if isinstance(decorator, ast.Call):
+            decorator = decorator.func
+        name = getattr(decorator, "id", getattr(decorator, "attr", None))
+        if name in COMPILED_DECORATORS:
+            return True
+    return False
+
+
+def over_the_gauge(path: Path, package: Path = PACKAGE) -> list[str]:
+    """What in one module passes the gauge: the module itself (its lines),
+    and each function or method, counted from its ``def`` to its last line
+    (nested ones too)."""
+    source = path.read_text()
+    where = path.relative_to(package.parent).as_posix()
+    found = []
+    lines = len(source.splitlines())
+    if lines > MODULE_LINES and path.relative_to(package).as_posix() not in (
+        OVER_THE_GAUGE
+    ):
+        found.append(f"{where}: {lines} lines (a module: {MODULE_LINES})")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            compiled = is_compiled(node)
+            limit = COMPILED_LINES if compiled else FUNCTION_LINES
+            if length > limit:
+                kind = "compiled" if compiled else "a function"
+                found.append(f"{where}:{node.name}: {length} lines ({kind}: {limit})")
+    return found
+
+
+def test_every_module_and_function_is_under_the_size_gauge() -> None:
+    found = [line for path in ptrres_sources() for line in over_the_gauge(path)]
+    assert not found, "split along a seam it has:\n" + "\n".join(found)
+
+
+def test_each_module_allowed_past_the_gauge_still_needs_it() -> None:
+    for name in OVER_THE_GAUGE:
+        lines = len((PACKAGE / name).read_text().splitlines())
+        assert lines > MODULE_LINES, f"{name} is {lines} lines: drop its exception"
+
+
+def test_the_gauge_reads_modules_functions_and_kernels(tmp_path: Path) -> None:
+    def function(name: str, lines: int, decorator: str = "") -> str:
+        return f"{decorator}def {name}() -> None:\n" + "    x = 1\n" * (lines - 1)
+
+    def method(name: str, lines: int) -> str:
+        return "class Table:\n" + textwrap.indent(function(name, lines), "    ")
+
+    fits = {
+        "functions.py": function("fits", FUNCTION_LINES)
+        + method("method_fits", FUNCTION_LINES),
+        "kernels.py": function("kernel_fits", COMPILED_LINES, "@kernel('int64()')\n")
+        + function("helper_fits", COMPILED_LINES, "@inline_helper\n"),
+        # Exactly as long as a module may be.
+        "module.py": "# a line\n" * MODULE_LINES,
+    }
+    long = (
+        function("too_long", FUNCTION_LINES + 1)
+        + function("kernel_too_long", COMPILED_LINES + 1, "@config.kernel()\n")
+        + function("jitted", FUNCTION_LINES + 1, "@numba.njit\n")
+        + method("method_too_long", FUNCTION_LINES + 1)
+        + "# a line\n" * MODULE_LINES
+    )
+    package = tmp_path / "pkg"
+    for path in write_package(package, fits):
+        assert over_the_gauge(path, package) == [], path.name
+    (long_path,) = write_package(package, {"long.py": long})
+    assert over_the_gauge(long_path, package) == [
+        f"pkg/long.py: {len(long.splitlines())} lines (a module: 500)",
+        "pkg/long.py:too_long: 101 lines (a function: 100)",
+        "pkg/long.py:kernel_too_long: 201 lines (compiled: 200)",
+        # Only ptrres's own decorators compile: a bare njit is a function here.
+        "pkg/long.py:jitted: 101 lines (a function: 100)",
+        "pkg/long.py:method_too_long: 101 lines (a function: 100)",
+    ]
