@@ -18,6 +18,17 @@ block: vLLM PR #56110 counted 30,208 descriptors, 0.99 GB, for 256 blocks).
 Ids are random, distinct, on each side. The disk backend's rows are its calls:
 one block between the GPU tensors and two staging slots.
 
+The table runs twice, each time in a child whose glibc malloc is set from the
+start, since what vLLM's own copy costs at 4096 blocks depends on it (its
+numpy arrays are 1 to 5 MiB each): on a warm heap (WARM_MALLOC: the
+thresholds glibc sets itself once a process has freed a block of 32 MiB, as a
+worker that has loaded a model has; what one call frees, the next reuses),
+then on fresh pages (FRESH_MALLOC, as ``nixl_desc_ids.py`` has it: every
+large array mapped anew and faulted in as it is first written). Each cell
+gives the minor page faults of one call of each side, which say which heap
+it ran on. In a process left to itself, either can happen: it depends on
+what the process allocated and freed before.
+
 ``--plugin-cost`` (part of the default run) times fresh interpreters,
 alternating: vLLM's ``load_general_plugins()`` with ptrres's entry point and
 with ``VLLM_PLUGINS`` naming another plugin, after ``import vllm.plugins``;
@@ -26,6 +37,7 @@ offload backend (the patch), builds params (the kernels, from Numba's cache)
 and copies for the first time.
 
 Run: python benchmarks/simple_copy_blocks.py [--quick] [--rounds 9]
+     [--copy-rounds 15]
 """
 
 from __future__ import annotations
@@ -45,6 +57,40 @@ NUM_CPU_BLOCKS = 32768
 # The disk backend's staging slots per direction (its default).
 NUM_STAGING_SLOTS = 2
 MINIMAX = ("minimax-m3-tp4", 118, 32 * 1024)
+# glibc's malloc, set in the child that runs each table (from the start: in
+# a process that has run a while, its bins and thresholds already decide).
+# Warm heap: the thresholds glibc reaches by itself once a process has freed
+# a block of 32 MiB (its dynamic maximum: blocks under 32 MiB come from the
+# heap, and free memory at the heap's top goes back to the system only past
+# 64 MiB), so that the memory one call frees, the next reuses.
+WARM_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024),
+}
+# Fresh pages (nixl_desc_ids.py's): every block of 64 KiB or more mapped anew
+# and unmapped when freed, no free memory kept at the heap's top: every
+# large array is faulted in page by page as it is first written.
+FRESH_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(64 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(64 * 1024),
+    "MALLOC_TOP_PAD_": "0",
+}
+HEAPS = {
+    "warm heap": (
+        WARM_MALLOC,
+        "glibc's malloc serves every block under 32 MiB from its heap and "
+        "returns free memory at the heap's top only past 64 MiB, the "
+        "thresholds it sets itself once a process has freed a 32 MiB block "
+        "(as a worker that has loaded a model has): what one call frees, the "
+        "next reuses",
+    ),
+    "fresh pages": (
+        FRESH_MALLOC,
+        "glibc's malloc maps every block of 64 KiB or more anew and keeps no "
+        "free memory at its heap's top, so that each large array is faulted "
+        "in as it is first written",
+    ),
+}
 
 
 class Stream:
@@ -114,7 +160,24 @@ def same_calls(
     return sum(len(call[0]) // 8 for call in calls[0])
 
 
-def copy_table(seconds: float) -> None:
+def page_faults(fn: Callable[[], Any], calls: int = 16) -> float:
+    """The minor page faults of one call (the pages its arrays touch first)."""
+    import resource
+
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
+def load() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def copy_table(seconds: float, rounds: int, heap: str) -> None:
+    """One table, every cell both contenders interleaved, in this process
+    (a child that ``HEAPS[heap]`` configured)."""
     import numpy as np
     import vllm
     from vllm.v1.simple_kv_offload import cuda_mem_ops
@@ -127,12 +190,19 @@ def copy_table(seconds: float) -> None:
     cuda_mem_ops._batch_memcpy = (lambda *args: 0, 1)  # the driver: a no-op
     assert plugin.patch(), "ptrres.vllm did not patch vLLM"
     patched = cuda_mem_ops.copy_blocks
-    print(f"vLLM {vllm.__version__}, ptrres {ptrres.__version__}\n")
+    malloc, how = HEAPS[heap]
+    if heap == "warm heap":
+        print(f"vLLM {vllm.__version__}, ptrres {ptrres.__version__}\n")
+    print(
+        f"{heap.capitalize()}: {how} "
+        f"(`{' '.join(f'{k}={v}' for k, v in malloc.items())}`); the median of "
+        f"{rounds} interleaved rounds per cell; load average {load()}:\n"
+    )
     print(
         "| layout | layers | blocks | call | descriptors | vLLM us | ptrres us "
-        "| speedup |"
+        "| speedup | page faults vLLM / ptrres |"
     )
-    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     rng = np.random.default_rng(27)
     speedups: list[float] = []
     one_block: list[float] = []
@@ -153,29 +223,42 @@ def copy_table(seconds: float) -> None:
         cases.append((1, "disk load", disk_load, [0], [gpu_block]))
         for blocks, call, params, src, dst in cases:
             descriptors = same_calls(vllm_copy, patched, src, dst, params)
-            timing = compare(
-                {
-                    "vllm": lambda: vllm_copy(src, dst, params),  # noqa: B023
-                    "ptrres": lambda: patched(src, dst, params),  # noqa: B023
-                },
-                seconds=seconds,
-            )
+            calls = {
+                "vllm": lambda: vllm_copy(src, dst, params),  # noqa: B023
+                "ptrres": lambda: patched(src, dst, params),  # noqa: B023
+            }
+            timing = compare(calls, seconds=seconds, rounds=rounds)
             speedup = timing["vllm"].seconds / timing["ptrres"].seconds
             speedups.append(speedup)
             if blocks == 1:
                 one_block.append(speedup)
+            faults = " / ".join(f"{page_faults(fn):.0f}" for fn in calls.values())
             print(
                 f"| {name} | {len(block_bytes)} | {blocks} | {call} | {descriptors} "
                 f"| {timing['vllm'].seconds * 1e6:.1f} "
-                f"| {timing['ptrres'].seconds * 1e6:.1f} | {speedup:.1f}x |",
+                f"| {timing['ptrres'].seconds * 1e6:.1f} | {speedup:.1f}x "
+                f"| {faults} |",
                 flush=True,
             )
     plugin.unpatch()
     print(
-        f"\ngeometric mean {geometric_mean(speedups):.1f}x (target >= 3x), "
+        f"\n{heap}: geometric mean {geometric_mean(speedups):.1f}x (target >= 3x), "
         f"lowest {min(speedups):.1f}x; at one block (the disk backend's calls) "
-        f"lowest {min(one_block):.1f}x (target: never slower, > 1x)"
+        f"lowest {min(one_block):.1f}x (target: never slower, > 1x); load "
+        f"average {load()}\n"
     )
+
+
+def heap_child(heap: str, argv: list[str]) -> None:
+    """One table, from a child started with its heap's malloc settings."""
+    sys.stdout.flush()
+    done = subprocess.run(
+        [sys.executable, __file__, "--heap", heap, *argv],
+        env={**os.environ, **HEAPS[heap][0]},
+        check=False,
+    )
+    if done.returncode:
+        raise SystemExit(f"the {heap} child exited with {done.returncode}")
 
 
 # A fresh interpreter: vllm.plugins imported, then load_general_plugins()
@@ -276,12 +359,27 @@ def main() -> None:
         "--rounds", type=int, default=None, help="fresh processes of each kind"
     )
     parser.add_argument(
+        "--copy-rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds per cell of the copy tables (their median)",
+    )
+    parser.add_argument(
         "--plugin-cost", action="store_true", help="only the plugin's cost"
     )
+    # The child that prints one heap's table.
+    parser.add_argument("--heap", choices=HEAPS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 9)
+    copy_rounds = args.copy_rounds or (5 if args.quick else 15)
+    seconds = 0.1 if args.quick else 0.6
+    if args.heap:
+        copy_table(seconds, copy_rounds, args.heap)
+        return
     if not args.plugin_cost:
-        copy_table(0.1 if args.quick else 0.4)
+        argv = ["--copy-rounds", str(copy_rounds), *(["--quick"] if args.quick else [])]
+        for heap in HEAPS:
+            heap_child(heap, argv)
     plugin_cost(rounds)
 
 
