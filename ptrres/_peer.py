@@ -32,7 +32,7 @@ from ._diagnose import failed_peer_plan_error
 from ._errors import InputTypeError, LayoutError, SpecError
 from ._geometry import ADDRESS_LIMIT, HOST, Groups
 from ._groups import GroupCounts
-from ._heads import HND, NHD, HeadSlice
+from ._heads import HND, NHD, HeadSlice, check_slice
 from ._kernels.common import (
     BASE_PTR,
     OFF_BASE_PTR,
@@ -182,6 +182,10 @@ class PeerLayout:
         )
 
 
+# The memory a region of vLLM's handshake lies in (region_mem_types).
+MEM_TYPES = ("DRAM", "VRAM")
+
+
 def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None]:
     """A vLLM NixlAgentMetadata's regions as a PeerLayout's groups, and its
     page layout (PeerLayout.from_nixl_metadata)."""
@@ -205,9 +209,14 @@ def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None
             "of one KV page per block only"
         )
     n = len(bases)
-    counts = getattr(metadata, "region_num_blocks", None) or [num_blocks] * n
-    owners = getattr(metadata, "region_group_ids", None) or [0] * n
-    mem_types = getattr(metadata, "region_mem_types", None) or ["VRAM"] * n
+    counts, owners, mem_types = (
+        as_list(getattr(metadata, name, None) or [default] * n, f"metadata.{name}")
+        for name, default in (
+            ("region_num_blocks", num_blocks),
+            ("region_group_ids", 0),
+            ("region_mem_types", "VRAM"),
+        )
+    )
     for name, values in (
         ("block_lens", lens),
         ("block_strides", strides),
@@ -220,6 +229,18 @@ def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None
                 f"the peer's handshake has {n} regions (kv_caches_base_addr) but "
                 f"{len(values)} {name}"
             )
+    unknown = [m for m in mem_types if not (isinstance(m, str) and m in MEM_TYPES)]
+    if unknown:
+        raise LayoutError(
+            f"the peer's handshake has regions of memory {unknown[0]!r}: ptrres "
+            "reads 'DRAM' and 'VRAM' regions"
+        )
+    owners = [as_int(g, "metadata.region_group_ids") for g in owners]
+    if min(owners, default=0) < -1:
+        raise LayoutError(
+            f"the peer's handshake has region_group_ids {owners}: a region serves "
+            "a group (>= 0) or every group (-1)"
+        )
     device = as_int(getattr(metadata, "device_id", 0), "metadata.device_id")
     refs = [
         PeerRef(base, stride, page, blocks, HOST if mem == "DRAM" else device)
@@ -227,7 +248,7 @@ def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None
             bases, lens, strides, counts, mem_types
         )
     ]
-    group_ids = sorted({as_int(g, "metadata.region_group_ids") for g in owners} - {-1})
+    group_ids = sorted(set(owners) - {-1})
     if len(group_ids) <= 1:  # vLLM maps no groups to regions: one group
         groups = [refs]
     else:
@@ -236,7 +257,7 @@ def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None
             for g in range(group_ids[-1] + 1)
         ]
     layout = getattr(metadata, "kv_cache_layout", None)
-    return groups, layout if layout in (HND, NHD) else None
+    return groups, layout if isinstance(layout, str) and layout in (HND, NHD) else None
 
 
 def _peer_ref(entry: Any, group: int, d: int) -> PeerRef:
@@ -322,8 +343,15 @@ class PeerPair(NamedTuple):
     group_bytes: tuple[int, ...]
 
     def matches(self, peer: Any, heads: Any) -> bool:
-        """Whether this pair is of that peer and head slice."""
-        return peer is self.peer and (heads is self.heads or heads == self.heads)
+        """Whether this pair is of that peer and head slice (a HeadSlice of
+        the same ints: a tuple, or fields of other types, are checked anew)."""
+        if peer is not self.peer or heads is self.heads:
+            return peer is self.peer
+        return (
+            type(heads) is HeadSlice
+            and all(type(value) is int for value in heads)
+            and heads == self.heads
+        )
 
 
 def pair_peer(
@@ -338,11 +366,8 @@ def pair_peer(
     slice, pages of the same bytes per head (SPEC 15)."""
     if not isinstance(peer, PeerLayout):
         raise InputTypeError(f"peer must be a PeerLayout, got {type(peer).__name__}")
-    if heads is not None and not isinstance(heads, HeadSlice):
-        raise InputTypeError(
-            f"heads must be a HeadSlice (of ptrres.tp_mapping) or None, got "
-            f"{type(heads).__name__}"
-        )
+    if heads is not None:
+        heads = check_slice(heads)
     if peer.group_data_ref_counts != ref_counts:
         raise LayoutError(
             f"the peer has refs per group {peer.group_data_ref_counts}, but this "
@@ -363,12 +388,8 @@ def pair_peer(
                     f"the peer's is {remote_page} B: a peer transfer copies the "
                     "same page on both sides (or a head slice of them: heads=)"
                 )
-    if heads is not None and not heads.whole_page and peer.kv_layout == NHD:
-        raise LayoutError(
-            f"the peer's pages are NHD: the {heads.num_heads} of {heads.remote_heads} "
-            f"heads rank {heads.source_rank} gives are one fragment per token, not "
-            "one byte range; head-slice HND pages (vLLM's kv_cache_layout 'HND')"
-        )
+    if heads is not None:
+        check_peer_layout(peer, heads)
     if heads is None or heads.whole_page:
         group_bytes = tuple(sum(r.page_size_bytes for r in refs) for refs in ref_rows)
         return PeerPair(
@@ -386,6 +407,16 @@ def pair_peer(
         ),
         tuple(int(group.sum()) for group in sliced),
     )
+
+
+def check_peer_layout(peer: PeerLayout, heads: HeadSlice) -> None:
+    """Refuse a slice of some of the heads of a peer's NHD pages."""
+    if not heads.whole_page and peer.kv_layout == NHD:
+        raise LayoutError(
+            f"the peer's pages are NHD: the {heads.num_heads} of {heads.remote_heads} "
+            f"heads rank {heads.source_rank} gives are one fragment per token, not "
+            "one byte range; head-slice HND pages (vLLM's kv_cache_layout 'HND')"
+        )
 
 
 def moved_refs(
