@@ -20,7 +20,7 @@ bytes per ref (HeadSlice.byte_range).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ._args import as_int
 from ._errors import InputTypeError, LayoutError
@@ -83,13 +83,50 @@ class HeadSlice(NamedTuple):
 
     def local_range(self, page: int) -> tuple[int, int]:
         """``(offset, size)`` of the slice in a page of this rank."""
-        head = _head_bytes(page, "this rank's", self.local_heads)
-        return self.local_head * head, self.num_heads * head
+        heads = check_slice(self)
+        head = _head_bytes(page, "this rank's", heads.local_heads)
+        return heads.local_head * head, heads.num_heads * head
 
     def remote_range(self, page: int) -> tuple[int, int]:
         """``(offset, size)`` of the slice in a page of the peer rank."""
-        head = _head_bytes(page, f"peer rank {self.source_rank}'s", self.remote_heads)
-        return self.remote_head * head, self.num_heads * head
+        heads = check_slice(self)
+        head = _head_bytes(page, f"peer rank {heads.source_rank}'s", heads.remote_heads)
+        return heads.remote_head * head, heads.num_heads * head
+
+
+def check_slice(heads: Any) -> HeadSlice:
+    """A HeadSlice with its fields checked (one may be made by hand): integers,
+    at least one head, and its heads inside the pages of both sides, so that
+    no copy of it addresses outside a page.
+
+    Raises:
+        InputTypeError: not a HeadSlice, or a field not an integer.
+        LayoutError: a slice of no heads, or heads outside a page.
+    """
+    if not isinstance(heads, HeadSlice):
+        raise InputTypeError(
+            f"heads must be a HeadSlice (of ptrres.tp_mapping()) or None, got "
+            f"{type(heads).__name__}"
+        )
+    checked = heads
+    if not all(type(value) is int for value in heads):
+        checked = HeadSlice._make(
+            as_int(value, "heads.{}", name) for value, name in zip(heads, heads._fields)
+        )
+    if checked.source_rank < 0 or checked.num_heads < 1:
+        raise LayoutError(
+            f"{heads}: a slice is at least one head of a peer rank (>= 0)"
+        )
+    for side, first, held in (
+        ("this rank's", checked.local_head, checked.local_heads),
+        ("the peer rank's", checked.remote_head, checked.remote_heads),
+    ):
+        if first < 0 or first + checked.num_heads > held:
+            raise LayoutError(
+                f"{heads}: heads {first} to {first + checked.num_heads - 1} are "
+                f"not heads of {side} page of {held} heads"
+            )
+    return checked
 
 
 def _head_bytes(page: int, whose: str, heads: int) -> int:

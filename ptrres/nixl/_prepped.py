@@ -16,9 +16,9 @@ from .._args import block_ids_arg
 from .._diagnose import overlap_error, remote_ids_error, resolve_error
 from .._errors import InputTypeError, LayoutError, OutBufferError
 from .._groups import check_groups
-from .._heads import HeadSlice
+from .._heads import NHD, HeadSlice, check_slice
 from .._kernels.common import BASE_PTR, NUM_BLOCKS, PAGE_SIZE, ROW_STRIDE
-from .._peer import PeerLayout, moved_refs, pair_peer
+from .._peer import PeerLayout, check_peer_layout, moved_refs, pair_peer
 from .._table import PointerTable
 from ._memory import DRAM, Memory, memory_of
 
@@ -64,7 +64,7 @@ def prepped_rows(
     """
     table = _ref_table(layout)
     if heads is not None:
-        table = _sliced(table, heads, isinstance(layout, PointerTable))
+        table = _sliced(table, heads, layout)
     return _rows(table, memory_of(layout) if memory is None else memory_of(memory))
 
 
@@ -117,14 +117,14 @@ def _rows(table: npt.NDArray[np.int64], memory: Memory) -> PreppedRows:
 
 
 def _sliced(
-    table: npt.NDArray[np.int64], heads: Any, local: bool
+    table: npt.NDArray[np.int64], heads: Any, layout: PointerTable | PeerLayout
 ) -> npt.NDArray[np.int64]:
-    """A ref table's rows moved to one head slice of their pages."""
-    if not isinstance(heads, HeadSlice):
-        raise InputTypeError(
-            f"heads must be a HeadSlice (of ptrres.tp_mapping()) or None, got "
-            f"{type(heads).__name__}"
-        )
+    """A ref table's rows moved to one head slice of their pages (this
+    engine's side for a table, the peer rank's for a peer layout)."""
+    heads = check_slice(heads)
+    if isinstance(layout, PeerLayout) and layout.kv_layout == NHD:
+        check_peer_layout(layout, heads)
+    local = isinstance(layout, PointerTable)
     slice_range = heads.local_range if local else heads.remote_range
     offsets, sizes = (
         np.array([slice_range(int(page)) for page in table[:, PAGE_SIZE]], np.int64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .._errors import InputTypeError, LayoutError
 from .._heads import HND, NHD, HeadSlice, TPMapping
+from ._input import as_int
 
 
 def holds(rank: int, tp_size: int, num_kv_heads: int, head: int) -> bool:
@@ -30,10 +31,15 @@ def tp_mapping(
 ) -> TPMapping:
     """The peer ranks that give rank ``tp_rank`` its heads, one HeadSlice
     each (as ptrres.tp_mapping)."""
+    names = ("tp_rank", "tp_size", "peer_tp_size", "num_kv_heads")
+    values = (tp_rank, tp_size, peer_tp_size, num_kv_heads)
+    tp_rank, tp_size, peer_tp_size, num_kv_heads = (
+        as_int(value, name) for value, name in zip(values, names)
+    )
     numbers = (tp_rank, tp_size, peer_tp_size, num_kv_heads)
-    if any(type(n) is not int for n in numbers) or type(mla) is not bool:
-        raise InputTypeError(f"tp_mapping takes ints and a bool, got {numbers}, {mla}")
-    if kv_layout not in (HND, NHD):
+    if type(mla) is not bool:
+        raise InputTypeError(f"mla must be True or False, got {mla!r}")
+    if not (isinstance(kv_layout, str) and kv_layout in (HND, NHD)):
         raise InputTypeError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
     if min(tp_size, peer_tp_size, num_kv_heads) < 1 or not 0 <= tp_rank < tp_size:
         raise LayoutError(f"no such rank or heads: {numbers}")

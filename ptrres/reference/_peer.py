@@ -147,6 +147,16 @@ def _head_bytes(
 ) -> tuple[int, int, int]:
     """A head slice of one ref's pages, in bytes: (local offset, remote
     offset, size), the two sides' heads of the same bytes."""
+    if not isinstance(heads, HeadSlice):
+        raise InputTypeError(f"heads must be a HeadSlice, got {type(heads).__name__}")
+    heads = HeadSlice(*(as_int(v, f"heads.{n}") for v, n in zip(heads, heads._fields)))
+    if heads.num_heads < 1 or heads.source_rank < 0:
+        raise LayoutError(f"{heads}: no heads, or no rank")
+    if not (
+        0 <= heads.local_head <= heads.local_heads - heads.num_heads
+        and 0 <= heads.remote_head <= heads.remote_heads - heads.num_heads
+    ):
+        raise LayoutError(f"{heads}: heads outside a page")
     local_page, remote_page = local_ref.page_size_bytes, peer_ref.page_size_bytes
     if local_page % heads.local_heads or remote_page % heads.remote_heads:
         raise LayoutError(
