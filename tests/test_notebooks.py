@@ -27,6 +27,7 @@ def test_the_notebooks_are_there() -> None:
         "04_canonical_layouts",
         "05_file_tier",
         "06_nixl",
+        "07_tp",
     ]
 
 
