@@ -66,9 +66,10 @@ class TableColumns:
         # last planned with canonically or strided (read and assigned whole).
         self._ref_mappings = _mappings.read_ref_mappings(kv_caches)
         self._canonical: _mappings.PlanTables | None = None
-        # The peer layout and head slice last planned with, once checked
-        # against this table (read and assigned whole).
-        self._peer: _peer.PeerPair | None = None
+        # The peer layouts and head slices last planned with, once checked
+        # against this table, the latest first: a decode rank gathers from up
+        # to PEER_PAIRS_KEPT source ranks in turn (read and assigned whole).
+        self._peers: tuple[_peer.PeerPair, ...] = ()
         # Peer plans take no offloaded chunks: every group's block index is 0.
         self._zero_indices = (0,) * self.num_groups
 

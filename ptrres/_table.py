@@ -42,6 +42,10 @@ from ._results import (
     TransferPlan,
 )
 
+# Peer pairs a table keeps checked: a decode rank at TP 1 gathers from up to
+# 8 prefill ranks (TP 8), one plan_peer_transfer per rank, in turn.
+PEER_PAIRS_KEPT = 8
+
 
 class PointerTable(TableColumns):
     """The tensors and refs of a CanonicalKVCaches, as parallel arrays.
@@ -298,11 +302,13 @@ class PointerTable(TableColumns):
         if type(coalesce) is not bool:
             raise InputTypeError(f"coalesce must be True or False, got {coalesce!r}")
         max_run = NO_CAP if max_run_bytes is None else max_run_arg(max_run_bytes)
-        pair = self._peer
-        if pair is None or not pair.matches(peer, heads):
-            pair = self._peer = _peer.pair_peer(
+        peers = self._peers
+        pair = next((p for p in peers if p.matches(peer, heads)), None)
+        if pair is None:
+            pair = _peer.pair_peer(
                 peer, heads, self.ref_table, self._groups, self.group_data_ref_counts
             )
+            self._peers = (pair, *peers[: PEER_PAIRS_KEPT - 1])
         return _peer.plan_peer(
             self.group_ref_start,
             pair,
