@@ -235,24 +235,20 @@ def probe_findings(probe: dict[str, Any]) -> list[Finding]:
 
 
 def check_command(out: TextIO, *, kernels: bool = True) -> int:
-    """`ptrres check`: the findings, one a line; 0 when the plugin will patch."""
+    """`ptrres check`: the findings, one a line; 0 when the plugin will patch
+    every path of vLLM no switch turns off (the last line says which paths
+    it patches and which it leaves alone)."""
     from . import __version__
+    from .vllm._check import summary
 
     out.write(f"ptrres {__version__} ({os.path.dirname(__file__)})\n")
     findings = check_findings(kernels=kernels)
     width = max(len(f.topic) for f in findings)
     for f in findings:
         out.write(f"  {f.status:<4} {f.topic:<{width}}  {f.detail}\n")
-    blocking = [f for f in findings if f.status in ("no", "off")]
-    if blocking:
-        out.write(
-            "The plugin will not patch vLLM: "
-            + "; ".join(f.topic for f in blocking)
-            + ".\n"
-        )
-        return 1
-    out.write("The plugin will patch vLLM in every process vLLM starts.\n")
-    return 0
+    status, last_line = summary(findings)
+    out.write(last_line + "\n")
+    return status
 
 
 def cpu_model() -> str:

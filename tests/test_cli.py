@@ -293,13 +293,15 @@ def test_check_says_the_plugin_will_patch(vllm_env: Any) -> None:
         "ptrres = ptrres.vllm:register in vllm.general_plugins",
     )
     assert findings["VLLM_PLUGINS"][0] == "ok"
-    assert findings["patches"] == (
+    assert findings["offloading handler"] == (
         "ok",
+        "patched once vLLM imports gpu_worker: "
         "SingleDirectionOffloadingHandler.__init__, "
         "SingleDirectionOffloadingHandler.transfer_async",
     )
     assert findings["NIXL connector"] == (
         "ok",
+        "patched once vLLM imports pull_worker or push_worker: "
         "NixlBaseConnectorWorker.__init__, NixlBaseConnectorWorker._compute_desc_ids, "
         "NixlPullConnectorWorker._read_blocks, NixlPushConnectorWorker._xfer_blocks "
         "(NixlConnector, pull and push): every block id checked on both sides",
@@ -386,7 +388,7 @@ def test_check_on_an_untested_or_missing_vllm(
     assert findings["vLLM"][0] == "no"
     assert findings["vLLM"][1].startswith(expected)
     assert "(tested: 0.30.x, 0.31.x, 0.32.x, 0.33.x)" in text or version
-    assert "patches" not in findings
+    assert "offloading handler" not in findings
 
 
 def test_check_names_a_handler_that_changed(vllm_env: Any) -> None:
@@ -396,10 +398,16 @@ def test_check_names_a_handler_that_changed(vllm_env: Any) -> None:
         return True
 
     vllm_env.setattr(SingleDirectionOffloadingHandler, "transfer_async", transfer_async)
-    status, findings, _ = check("--no-kernels")
+    status, findings, text = check("--no-kernels")
     assert status == 1
-    assert findings["patches"][0] == "no"
-    assert "transfer_async has the signature" in findings["patches"][1]
+    assert findings["offloading handler"][0] == "no"
+    assert "transfer_async has the signature" in findings["offloading handler"][1]
+    # The other paths are patched on their own.
+    assert findings["simple offload path"][0] == "ok"
+    assert text.splitlines()[-1] == (
+        "The plugin will patch vLLM's simple offload path and NIXL connector, "
+        "and leave its offloading handler as vLLM has it (why: above)."
+    )
 
 
 def test_check_finds_a_cold_cache_then_a_warm_one(

@@ -1,31 +1,38 @@
 """What ``ptrres check`` says of vLLM and of the plugin's switches: the vLLM
 found and whether it is a tested release, whether vLLM sees the plugin's
-entry point, what patch() would replace (or why nothing), and the switches
+entry point, each of vLLM's paths on a line of its own (patched, waiting for
+vLLM to import it, left alone and why, or switched off), and the switches
 PTRRES_VLLM, PTRRES_VLLM_COALESCE and PTRRES_VLLM_NIXL. ``ptrres._operator``
 adds Numba's findings and prints them all; a Finding is one line of that
 report.
 
 Importing this module imports neither vLLM nor numba: the findings import
-vLLM's offloading modules only where a tested vLLM is installed.
+vLLM's modules only where a tested vLLM is installed, each path's as vLLM
+imports it.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import _state
-from ._patching import plan_replacements
+from ._hook import PatchOnImport
+from ._patching import PathState, VllmPatchWarning, patch_path, path_states, unpatch
 from ._release import (
-    NIXL_METHODS,
+    PATH_TRIGGERS,
     SIMPLE_BACKEND_MODULES,
     SIMPLE_MODULE,
     SUPPORTED_VERSION,
     SUPPORTED_VLLM,
 )
 
-# The NIXL connector's classes patch() replaces methods of.
-NIXL_CLASSES = {class_name for _, class_name, _ in NIXL_METHODS}
+# The topics of the lines that concern one path only: one of them "no" or
+# "off" leaves that path alone, not the plugin.
+PATH_TOPICS = (*_state.PATHS, "PTRRES_VLLM_NIXL")
 
 
 @dataclass(frozen=True)
@@ -98,59 +105,122 @@ def vllm_findings() -> list[Finding]:
             )
 
     if version is not None and findings[0].status == "ok":
-        replacements, refusal = plan_replacements()
-        if refusal is None:
-            findings += _patch_findings([r.qualified_name for r in replacements])
-        else:
-            findings.append(Finding("no", "patches", f"nothing: {refusal}"))
+        findings += path_findings()
     return findings
 
 
-def _patch_findings(names: list[str]) -> list[Finding]:
-    """What patch() would replace: the handler's methods (and pointer_utils')
-    on one line, the simple offload path's functions on another, the NIXL
-    connector's methods on a third."""
-    modules = (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES)
-    simple = [n for n in names if n.rpartition(".")[0] in modules]
-    nixl = [n for n in names if n.split(".")[0] in NIXL_CLASSES]
-    findings = [
-        Finding(
-            "ok",
-            "patches",
-            ", ".join(n for n in names if n not in simple and n not in nixl),
+def path_findings() -> list[Finding]:
+    """One line per path of vLLM: what the plugin does with it in a vLLM
+    process, found by doing it here, where nothing is patched yet: each
+    path's first trigger imported, as vLLM imports it, then that path alone
+    patched (the switches honoured); everything restored afterwards. In a
+    process where the plugin has patched or waits already, its state as it
+    stands."""
+    if _state.applied or _state.refused or PatchOnImport.installed is not None:
+        return [path_finding(state) for state in path_states()]
+    unimportable: dict[str, str] = {}
+    try:
+        with warnings.catch_warnings():
+            # The reasons are the lines' own.
+            warnings.simplefilter("ignore", VllmPatchWarning)
+            for path in _state.PATHS:
+                if _state.switched_off(path) is not None:
+                    continue
+                trigger = PATH_TRIGGERS[path][0]
+                try:
+                    importlib.import_module(trigger)
+                except Exception as error:  # its own imports may fail
+                    unimportable[path] = f"{trigger} cannot be imported ({error!r})"
+                    continue
+                patch_path(path)
+            states = path_states()
+    finally:
+        unpatch()
+    return [
+        path_finding(
+            PathState(state.path, "left alone", (unimportable[state.path],))
+            if state.path in unimportable
+            else state
         )
+        for state in states
     ]
-    if simple:
+
+
+def path_finding(state: PathState) -> Finding:
+    """One path's line: patched (what), waiting (for which modules), left
+    alone (why), or switched off (by which switch)."""
+    if state.status == "patched":
+        return Finding("ok", state.path, _patched_detail(state))
+    if state.status == "waiting":
+        modules = " or ".join(m.rpartition(".")[2] for m in state.detail)
+        return Finding(
+            "wait",
+            state.path,
+            f"waiting for vLLM to import it ({modules}); patched then",
+        )
+    if state.status == "left alone":
+        return Finding("no", state.path, f"left as vLLM has it: {state.detail[0]}")
+    if state.status == "off":
+        return Finding(
+            "off", state.path, f"switched off ({state.detail[0]}): left as vLLM has it"
+        )
+    return Finding("no", state.path, "not patched: the plugin is not registered here")
+
+
+def _patched_detail(state: PathState) -> str:
+    """What a patched path's line says: the attributes replaced, and when."""
+    triggers = " or ".join(m.rpartition(".")[2] for m in PATH_TRIGGERS[state.path])
+    when = f"once vLLM imports {triggers}"
+    if state.path == _state.SIMPLE:
+        modules = (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES)
+        simple = [n for n in state.detail if n.rpartition(".")[0] in modules]
         functions = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n in simple))
         where = ", ".join(
             dict.fromkeys(n.rpartition(".")[0].rpartition(".")[2] for n in simple)
         )
-        findings.append(
-            Finding(
-                "ok",
-                "simple offload",
-                f"{functions} (SimpleCPUOffloadConnector), in {where}",
-            )
+        return f"patched {when}: {functions} (SimpleCPUOffloadConnector), in {where}"
+    if state.path == _state.NIXL:
+        return (
+            f"patched {when}: {', '.join(state.detail)} (NixlConnector, pull and "
+            "push): every block id checked on both sides"
         )
-    if nixl:
-        findings.append(
-            Finding(
-                "ok",
-                "NIXL connector",
-                f"{', '.join(nixl)} (NixlConnector, pull and push): every block "
-                "id checked on both sides",
-            )
+    return f"patched {when}: {', '.join(state.detail)}"
+
+
+def summary(findings: Sequence[Finding]) -> tuple[int, str]:
+    """`ptrres check`'s exit status and last line: 0 where the plugin will
+    patch every path of vLLM that no switch turns off; else 1, naming what
+    keeps the plugin off, or the paths it leaves alone and those it patches."""
+    blocking = [
+        f for f in findings if f.status in ("no", "off") and f.topic not in PATH_TOPICS
+    ]
+    paths = [f for f in findings if f.topic in _state.PATHS]
+    patched = [f.topic for f in paths if f.status in ("ok", "wait")]
+    if not blocking and paths and not patched:
+        blocking = [f for f in paths if f.status == "no"] or paths
+    if blocking:
+        return 1, (
+            "The plugin will not patch vLLM: "
+            + "; ".join(f.topic for f in blocking)
+            + "."
         )
-    elif not _state.nixl_requested():
-        findings.append(
-            Finding(
-                "off",
-                "NIXL connector",
-                "left as vLLM has it: its block ids are not checked "
-                "(PTRRES_VLLM_NIXL=0)",
-            )
+    alone = [f.topic for f in paths if f.status == "no"]
+    off = [f.topic for f in paths if f.status == "off"]
+    if alone:
+        return 1, (
+            f"The plugin will patch vLLM's {_and(patched)}, and leave its "
+            f"{_and(alone)} as vLLM has it (why: above)."
         )
-    return findings
+    if off:
+        return 0, (
+            f"The plugin will patch vLLM's {_and(patched)} in every process "
+            f"vLLM starts ({_and(off)}: switched off)."
+        )
+    return 0, "The plugin will patch vLLM in every process vLLM starts."
+
+
+def _and(names: Sequence[str]) -> str:
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def switch_findings() -> list[Finding]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _state
 from ._release import WORKER_MODULE
+from ._state import HANDLER
 from ._warmup import warm_up_kernels
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def patched_init(vllm_init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(vllm_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         vllm_init(self, *args, **kwargs)
-        if _state.applied is not None:  # else unpatched since: vLLM's handler alone
+        if _state.patched(HANDLER):  # else unpatched since: vLLM's handler alone
             _attach_plan(self, warm_up=True)
 
     return __init__
@@ -119,7 +120,7 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     # A handler built before patch() gets its plan now (its kernels compile
     # on first use); one built by the patched __init__ has it already.
     plan = _attach_plan(self) if state is None else state
-    if _state.applied is None or plan is None or isinstance(plan, str):
+    if not _state.patched(HANDLER) or plan is None or isinstance(plan, str):
         return bool(vllm_transfer_async(self, job_id, src_spec, dst_spec))
     worker = sys.modules[WORKER_MODULE]
     if self.gpu_to_cpu:

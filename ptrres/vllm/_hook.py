@@ -1,17 +1,19 @@
-"""register()'s import hook: vLLM is patched right after vLLM itself first
-imports one of its offloading modules, so that a process that never offloads
-(the API server) imports none of them.
+"""register()'s import hook: each of vLLM's paths is patched right after vLLM
+itself first imports one of that path's modules, so that a process imports
+only the paths it uses (the API server none of them).
 
-The hook is given the modules to wait for and what to run then (register()
-gives PATCH_TRIGGERS and its patch-and-report); patch() and unpatch() take
-it out. Importing this module imports nothing of vLLM, numba or ptrres.
+The hook is given the paths to wait for, each with its triggers, and what to
+run for a path then (register() gives PATH_TRIGGERS and its patch-and-report
+of one path). It leaves ``sys.meta_path`` once no path is waiting; patch()
+and unpatch() take it out. Importing this module imports nothing of vLLM,
+numba or ptrres.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any, ClassVar
@@ -20,30 +22,39 @@ from . import _state
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches vLLM right after vLLM first imports a module of its triggers.
+    """Patches each waiting path right after vLLM first imports one of its
+    triggers.
 
     An entry of ``sys.meta_path`` that finds nothing itself: it asks the
     finders after it for a trigger's spec, and wraps the spec's loader
-    (ThenPatch) so that patch() runs once the module has. patch() takes it
-    out of ``sys.meta_path``, and so does unpatch().
+    (ThenPatch) so that the path is patched once the module has run. It
+    leaves ``sys.meta_path`` when no path waits any more, and patch() and
+    unpatch() take it out.
     """
 
     installed: ClassVar[PatchOnImport | None] = None
-    # Triggers whose module is running now, in any thread: patch() waits for
-    # the last, since it would find the others half-built.
+    # Triggers whose module is running now, in any thread: paths are patched
+    # once the last has run, since the patch would find the others half-built.
     running: ClassVar[set[str]] = set()
 
-    def __init__(self, triggers: tuple[str, ...], patch: Callable[[], None]) -> None:
-        # The modules whose import means this process may offload.
-        self.triggers = triggers
-        # What runs once the last running trigger has (patch(), reported).
+    def __init__(
+        self, waiting: Mapping[str, tuple[str, ...]], patch: Callable[[str], None]
+    ) -> None:
+        # The paths not patched yet, each with the modules whose import means
+        # this process may use it.
+        self.waiting = dict(waiting)
+        # Every waiting path's triggers, looked up on every import.
+        self.triggers = frozenset(t for ts in self.waiting.values() for t in ts)
+        # What runs for a path once its trigger has (patch_path(), reported).
         self.patch = patch
 
     @classmethod
-    def install(cls, triggers: tuple[str, ...], patch: Callable[[], None]) -> None:
+    def install(
+        cls, waiting: Mapping[str, tuple[str, ...]], patch: Callable[[str], None]
+    ) -> None:
         with _state.lock:
-            if cls.installed is None:
-                cls.installed = cls(triggers, patch)
+            if cls.installed is None and waiting:
+                cls.installed = cls(waiting, patch)
                 sys.meta_path.insert(0, cls.installed)
 
     @classmethod
@@ -52,6 +63,12 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
             finder, cls.installed = cls.installed, None
             if finder is not None and finder in sys.meta_path:
                 sys.meta_path.remove(finder)
+
+    @classmethod
+    def waiting_paths(cls) -> dict[str, tuple[str, ...]]:
+        """The paths the hook waits for, each with its triggers."""
+        finder = cls.installed
+        return {} if finder is None else dict(finder.waiting)
 
     def find_spec(
         self, fullname: str, path: Any = None, target: ModuleType | None = None
@@ -69,10 +86,37 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
                 return spec
         return None
 
+    def patch_imported(self) -> None:
+        """Patch every waiting path one of whose triggers is imported; leave
+        ``sys.meta_path`` once no path waits."""
+        with _state.lock:
+            ready = [
+                path
+                for path, triggers in self.waiting.items()
+                if any(name in sys.modules for name in triggers)
+            ]
+            # Out of the waiting list first: the patch imports the path's
+            # other modules, which may be triggers of the same path.
+            for path in ready:
+                del self.waiting[path]
+            self.triggers = frozenset(t for ts in self.waiting.values() for t in ts)
+            if not self.waiting and PatchOnImport.installed is self:
+                PatchOnImport.remove()
+            for path in ready:
+                try:
+                    self.patch(path)
+                except Exception:  # a plugin must never take vLLM's import down
+                    _state.logger.warning(
+                        "ptrres: could not patch vLLM's %s; it runs unchanged",
+                        path,
+                        exc_info=True,
+                    )
+
 
 class ThenPatch(importlib.abc.Loader):
     """A trigger's loader: the module runs as its own loader runs it, then
-    patch() does (once no other trigger is running)."""
+    the waiting paths it triggers are patched (once no other trigger is
+    running)."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
@@ -94,12 +138,7 @@ class ThenPatch(importlib.abc.Loader):
             PatchOnImport.running.discard(name)
         finder = PatchOnImport.installed
         if finder is not None and not PatchOnImport.running:
-            try:
-                finder.patch()
-            except Exception:  # a plugin must never take vLLM's import down
-                _state.logger.warning(
-                    "ptrres: could not patch vLLM; it runs unchanged", exc_info=True
-                )
+            finder.patch_imported()
 
     def __getattr__(self, name: str) -> Any:
         """What else the import system asks of the loader, its own answers."""

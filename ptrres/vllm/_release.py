@@ -1,10 +1,12 @@
-"""Which vLLM releases ``ptrres.vllm`` patches, and whether the installed
-vLLM's handler and simple offload path (``cuda_mem_ops``) are the ones those
-releases have: every name and signature the patches rely on, checked before
-anything is replaced.
+"""Which vLLM releases ``ptrres.vllm`` patches, which modules make up each of
+vLLM's paths (and which of them, imported by vLLM, mean a process uses the
+path), and whether the installed vLLM's handler, simple offload path
+(``cuda_mem_ops``) and NIXL connector are the ones those releases have: every
+name and signature a path's patch relies on, checked before anything of that
+path is replaced.
 
-Importing this module does not import vLLM: only find_handler() and
-find_simple_path() do.
+Importing this module does not import vLLM: only release_series() and the
+find_* functions do, each of its own path's modules alone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from ._state import HANDLER, NIXL, SIMPLE
 
 # The handler's constructor in each release this module was tested against
 # (its patch releases included): 0.31 added host_memory_is_pinned, with which
@@ -63,15 +67,23 @@ NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 NIXL_BASE_MODULE = f"{NIXL_PACKAGE}.base_worker"
 NIXL_PULL_MODULE = f"{NIXL_PACKAGE}.pull_worker"
 NIXL_PUSH_MODULE = f"{NIXL_PACKAGE}.push_worker"
-# The modules whose import by vLLM means this process may move KV blocks:
-# register() patches when vLLM first imports one of them (cuda_mem_ops alone
-# does not count: vLLM also imports it for pin_tensor).
-PATCH_TRIGGERS = (
-    WORKER_MODULE,
-    *SIMPLE_BACKEND_MODULES,
-    NIXL_PULL_MODULE,
-    NIXL_PUSH_MODULE,
-)
+# Each path's modules whose import by vLLM means this process may use the
+# path: register() patches a path right after vLLM first imports one of its
+# triggers (cuda_mem_ops alone does not count: vLLM also imports it for
+# pin_tensor; base_worker alone neither: the pull and push workers, which
+# vLLM's connector imports together, are what use it).
+PATH_TRIGGERS: dict[str, tuple[str, ...]] = {
+    HANDLER: (WORKER_MODULE,),
+    SIMPLE: SIMPLE_BACKEND_MODULES,
+    NIXL: (NIXL_PULL_MODULE, NIXL_PUSH_MODULE),
+}
+# Every vLLM module a path's patch imports or reads: its own, never another
+# path's (pointer_utils where the installed vLLM has it).
+PATH_MODULES: dict[str, tuple[str, ...]] = {
+    HANDLER: (WORKER_MODULE, POINTER_UTILS_MODULE),
+    SIMPLE: (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES),
+    NIXL: (NIXL_BASE_MODULE, NIXL_PULL_MODULE, NIXL_PUSH_MODULE),
+}
 
 
 # vLLM names whose signatures the patched transfer_async relies on, the same
@@ -119,20 +131,27 @@ SIMPLE_PARAMS_FIELDS = (
 SIMPLE_IMPORTED_NAMES = ("build_params", "copy_blocks")
 
 
-def find_handler() -> tuple[ModuleType, type] | str:
-    """vLLM's worker module and its handler class, or why neither can be
-    patched (vLLM missing or untested, a name or signature not the release's)."""
+def release_series() -> tuple[str, None] | tuple[None, str]:
+    """The installed vLLM's tested release series ("0.33" for 0.33.1), or why
+    there is none (vLLM missing, or not a tested release): (series, None) or
+    (None, reason). It imports vLLM's top package only."""
     try:
         vllm = importlib.import_module("vllm")
     except ImportError as error:
-        return f"vLLM cannot be imported ({error})"
+        return None, f"vLLM cannot be imported ({error})"
     version = str(getattr(vllm, "__version__", "unknown"))
     tested = SUPPORTED_VERSION.match(version)
     if tested is None:
-        return (
+        return None, (
             f"vLLM {version} is not a tested version "
             f"({', '.join(f'{release}.x' for release in SUPPORTED_VLLM)})"
         )
+    return tested.group(1), None
+
+
+def find_handler(series: str) -> tuple[ModuleType, type] | str:
+    """vLLM's worker module and its handler class, or why neither can be
+    patched (a name or signature not that of the release ``series``)."""
     try:
         worker = importlib.import_module(WORKER_MODULE)
     except ImportError as error:
@@ -141,7 +160,7 @@ def find_handler() -> tuple[ModuleType, type] | str:
     if not isinstance(handler, type):
         return f"{WORKER_MODULE}.{HANDLER_CLASS} is missing"
     signatures = {
-        "__init__": _RELEASE_INIT_PARAMETERS[tested.group(1)],
+        "__init__": _RELEASE_INIT_PARAMETERS[series],
         **_HANDLER_SIGNATURES,
     }
     for name, expected in signatures.items():
@@ -157,7 +176,7 @@ def find_handler() -> tuple[ModuleType, type] | str:
 def find_simple_path() -> tuple[ModuleType, tuple[ModuleType, ...]] | str:
     """vLLM's cuda_mem_ops and the backends that import from it, or why they
     cannot be patched (a module, name, signature or params field not the
-    tested releases'). Call it after find_handler(): it checks no version."""
+    tested releases'). Call it after release_series(): it checks no version."""
     modules = []
     for name in (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES):
         try:
@@ -232,7 +251,7 @@ def find_nixl_path() -> dict[str, Any] | str:
     """vLLM's NIXL connector: base_worker, and each class of NIXL_METHODS by
     name; or why it cannot be patched (a module that does not import, a name
     or signature not the tested releases', a subclass that overrides
-    _compute_desc_ids). Call it after find_handler(): it checks no version."""
+    _compute_desc_ids). Call it after release_series(): it checks no version."""
     found: dict[str, Any] = {}
     for (module_name, class_name, method), expected in NIXL_METHODS.items():
         try:

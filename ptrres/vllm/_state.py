@@ -1,11 +1,13 @@
 """What the vLLM plugin keeps in a process, which every vLLM path reads:
-the attributes patch() replaced (none while unpatched), the lock that
-patch(), unpatch() and the import hook take, the logger, and the switches
-``PTRRES_VLLM``, ``PTRRES_VLLM_COALESCE`` and ``PTRRES_VLLM_NIXL``.
+the paths, the attributes patch() replaced on each (none while unpatched) and
+why a path was left alone, the lock that patch(), unpatch() and the import
+hook take, the logger, and the switches ``PTRRES_VLLM``,
+``PTRRES_VLLM_COALESCE`` and ``PTRRES_VLLM_NIXL``.
 
-``ptrres.vllm._patching`` alone sets ``applied``; the paths read it at every
-call, so that a handler or params built before unpatch() keep vLLM's copies
-after it. Importing this module imports nothing of vLLM, numba or ptrres.
+``ptrres.vllm._patching`` alone sets ``applied`` and ``refused``; each path
+reads at every call whether it is patched, so that a handler, params or a
+worker built before unpatch() keep vLLM's own code after it. Importing this
+module imports nothing of vLLM, numba or ptrres.
 """
 
 from __future__ import annotations
@@ -41,14 +43,40 @@ class Replacement:
         return f"{owner}.{self.name}"
 
 
-# What patch() replaced, in order; None when vLLM is not patched.
-applied: list[Replacement] | None = None
+# vLLM's paths, each patched or left alone on its own, when vLLM imports it:
+# OffloadingConnector's handler, SimpleCPUOffloadConnector's cuda_mem_ops,
+# and the NIXL connector's workers.
+HANDLER = "offloading handler"
+SIMPLE = "simple offload path"
+NIXL = "NIXL connector"
+PATHS = (HANDLER, SIMPLE, NIXL)
+
+# What patch() replaced on each patched path, in the order the paths were
+# patched; empty when vLLM is not patched.
+applied: dict[str, list[Replacement]] = {}
+# Why a path was left as vLLM has it (a name or signature not its release's).
+refused: dict[str, str] = {}
 lock = threading.RLock()
 
 
 def is_patched() -> bool:
-    """Whether patch() has replaced vLLM's attributes (and unpatch() has not)."""
-    return applied is not None
+    """Whether vLLM is patched: patch() replaced the attributes of at least one
+    of its paths (and unpatch() has not restored them)."""
+    return bool(applied)
+
+
+def patched(path: str) -> bool:
+    """Whether ``path`` (one of PATHS) is patched now."""
+    return path in applied
+
+
+def switched_off(path: str) -> str | None:
+    """The switch that leaves ``path`` as vLLM has it, or None."""
+    if os.environ.get("PTRRES_VLLM", "1").strip().lower() in OFF_VALUES:
+        return "PTRRES_VLLM=0"
+    if path == NIXL and not nixl_requested():
+        return "PTRRES_VLLM_NIXL=0"
+    return None
 
 
 def reporter() -> logging.Logger:

@@ -66,7 +66,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm_harness import cuda_mem_ops, worker
 
 import ptrres.vllm as plugin
-from ptrres.vllm import _nixl, _patching, _warmup
+from ptrres.vllm import _nixl, _patching, _state, _warmup
 from ptrres.vllm._nixl import REFUSED_INDEX
 
 Base = base_worker.NixlBaseConnectorWorker
@@ -960,18 +960,24 @@ def test_ptrres_vllm_nixl_0_leaves_the_connector_alone(
 
 
 def assert_left_alone(match: str) -> None:
-    """patch() warns (once) and replaces nothing: no path is patched."""
+    """patch() warns (once), naming the NIXL connector and why, and replaces
+    nothing of it; the other paths are patched."""
     handler = vars(Handler)["transfer_async"]
     build_params = cuda_mem_ops.build_params
-    with pytest.warns(plugin.VllmPatchWarning, match=match):
-        assert plugin.patch() == []
-    assert not plugin.is_patched()
-    assert vars(Handler)["transfer_async"] is handler
-    assert cuda_mem_ops.build_params is build_params
+    with pytest.warns(
+        plugin.VllmPatchWarning,
+        match=f"^ptrres.vllm left vLLM's NIXL connector unpatched: .*{match}",
+    ) as caught:
+        patched = plugin.patch()
+    assert len(caught) == 1
+    assert not set(patched) & set(NIXL_PATCHES)
+    assert not _state.patched(_state.NIXL)
+    assert vars(Handler)["transfer_async"] is not handler
+    assert cuda_mem_ops.build_params is not build_params
 
 
 @pytest.mark.parametrize(("owner", "name"), list(VLLM_METHODS))
-def test_a_changed_signature_leaves_all_of_vllm_alone(
+def test_a_changed_signature_leaves_the_connector_alone(
     owner: type, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     original = vars(owner)[name]
@@ -1007,7 +1013,7 @@ def _with_signature(
     return give
 
 
-def test_a_worker_with_its_own_compute_desc_ids_leaves_vllm_alone(
+def test_a_worker_with_its_own_compute_desc_ids_leaves_the_connector_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The pull worker's own would bypass the checked one."""
@@ -1018,14 +1024,14 @@ def test_a_worker_with_its_own_compute_desc_ids_leaves_vllm_alone(
 @pytest.mark.parametrize(
     "name", ["_is_attention_spec", "_is_ssm_spec", "CircularBufferSpec"]
 )
-def test_a_missing_name_of_base_worker_leaves_vllm_alone(
+def test_a_missing_name_of_base_worker_leaves_the_connector_alone(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delattr(base_worker, name)
     assert_left_alone(f"base_worker.{name} is missing")
 
 
-def test_a_connector_module_that_does_not_import_leaves_vllm_alone(
+def test_a_connector_module_that_does_not_import_leaves_the_connector_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, push_worker.__name__, None)

@@ -1,4 +1,6 @@
-"""patch(), unpatch(), register(): the version guard, the switches, packaging."""
+"""patch(), unpatch(), register(): the version guard, the handler path's
+guards (the other paths patched when it is left alone), the switches,
+packaging. Each path on its own: tests/vllm/test_vllm_paths.py."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from vllm_harness import worker
 
 import ptrres
 import ptrres.vllm as plugin
-from ptrres.vllm import _handler, _patching, _state
+from ptrres.vllm import _handler, _hook, _patching, _state
 from ptrres.vllm._release import optional_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +38,14 @@ def _unpatched() -> Iterator[None]:
     plugin.unpatch()
 
 
-HANDLER_PATCHES = [
+# The handler path's replacements (without pointer_utils, which no tested
+# release has).
+HANDLER_ONLY = [
     "SingleDirectionOffloadingHandler.__init__",
     "SingleDirectionOffloadingHandler.transfer_async",
+]
+# The other paths' replacements, patched when the handler's is left alone.
+OTHER_PATCHES = [
     # The simple offload path's (tests/vllm/test_vllm_simple.py).
     *(
         f"vllm.v1.simple_kv_offload.{module}.{name}"
@@ -51,6 +58,7 @@ HANDLER_PATCHES = [
     "NixlPullConnectorWorker._read_blocks",
     "NixlPushConnectorWorker._xfer_blocks",
 ]
+HANDLER_PATCHES = [*HANDLER_ONLY, *OTHER_PATCHES]
 
 
 def test_patch_replaces_the_handlers_methods_and_unpatch_restores_them() -> None:
@@ -146,18 +154,25 @@ def test_no_pointer_utils_no_replacement() -> None:
 
 
 def assert_untouched(original: Any, module: types.ModuleType | None = None) -> None:
-    assert not plugin.is_patched()
+    """The handler's path is vLLM's (the other paths may be patched)."""
+    assert not _state.patched(_state.HANDLER)
     assert vars(Handler)["transfer_async"] is original
     if module is not None:
         assert module.resolve_device_pointers is not ptrres.resolve_device_pointers
 
 
-def assert_warns_once(match: str) -> None:
-    with pytest.warns(plugin.VllmPatchWarning, match=match):
-        assert plugin.patch() == []
+def assert_warns_once(match: str, patched: list[str] = OTHER_PATCHES) -> None:
+    """patch() warns once, naming the handler's path (or vLLM, for a release
+    it leaves alone entirely), and patches ``patched`` (the other paths)."""
+    path = "vLLM" if patched == [] else f"vLLM's {_state.HANDLER}"
+    with pytest.warns(
+        plugin.VllmPatchWarning, match=f"^ptrres.vllm left {path} unpatched: .*{match}"
+    ) as caught:
+        assert plugin.patch() == patched
+    assert len(caught) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert plugin.patch() == []
+        assert plugin.patch() == patched
 
 
 def installed_release() -> str:
@@ -183,8 +198,11 @@ def test_untested_versions_are_left_alone(
 
     original = vars(Handler)["transfer_async"]
     monkeypatch.setattr(vllm, "__version__", version)
-    assert_warns_once(re.escape(version) + r" is not a tested version \(0\.30\.x, ")
+    assert_warns_once(
+        re.escape(version) + r" is not a tested version \(0\.30\.x, ", patched=[]
+    )
     assert_untouched(original)
+    assert not plugin.is_patched()
 
 
 @pytest.mark.parametrize("suffix", [".0", ".7", ".1.dev5+g1234abc", ".0+cu129", ""])
@@ -216,10 +234,11 @@ def test_each_release_is_held_to_its_own_constructor(
         _patching._warned.clear()
 
 
-def test_another_signature_leaves_everything_alone(
+def test_another_signature_leaves_the_handlers_path_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A pointer_utils that changed refuses the handler's patch too."""
+    """A pointer_utils that changed refuses the handler's patch too (one
+    path); the other paths are patched."""
     original = vars(Handler)["transfer_async"]
 
     def resolve_device_pointers(spec: Any, caches: Any, out: Any = None) -> Any:
@@ -231,7 +250,7 @@ def test_another_signature_leaves_everything_alone(
     assert_untouched(original, module)
 
 
-def test_a_changed_handler_method_leaves_vllm_alone(
+def test_a_changed_handler_method_leaves_its_path_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def transfer_async(self: Any, job_id: int, spec: Any) -> bool:
@@ -242,7 +261,7 @@ def test_a_changed_handler_method_leaves_vllm_alone(
     assert_untouched(transfer_async)
 
 
-def test_a_missing_attribute_leaves_vllm_alone(
+def test_a_missing_attribute_leaves_the_handlers_path_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     original = vars(Handler)["transfer_async"]
@@ -255,7 +274,7 @@ def test_a_missing_attribute_leaves_vllm_alone(
     assert_untouched(original)
 
 
-def test_a_missing_pointer_utils_function_leaves_vllm_alone(
+def test_a_missing_pointer_utils_function_leaves_the_handlers_path_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     original = vars(Handler)["transfer_async"]
@@ -269,19 +288,30 @@ def test_a_missing_pointer_utils_function_leaves_vllm_alone(
 # --- register(): the entry point -----------------------------------------------
 
 
-def test_register_patches_once_and_logs_one_line(
+def test_register_patches_once_and_logs_one_line_per_path(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("PTRRES_VLLM", raising=False)
+    monkeypatch.delenv("PTRRES_VLLM_NIXL", raising=False)
     with caplog.at_level(logging.INFO, logger="ptrres.vllm"):
         plugin.register()
         plugin.register()
         plugin.register()
-    assert plugin.is_patched()
+    assert plugin.patch() == HANDLER_PATCHES  # every path, by register()
     lines = [r for r in caplog.records if r.name == "ptrres.vllm"]
-    assert len(lines) == 1
-    assert lines[0].levelno == logging.INFO
-    assert "SingleDirectionOffloadingHandler.transfer_async" in lines[0].getMessage()
+    assert [r.levelno for r in lines] == [logging.INFO] * 3
+    import vllm
+
+    for line, path, first in zip(
+        lines,
+        _state.PATHS,
+        ("SingleDirectionOffloadingHandler.__init__", *OTHER_PATCHES[::6]),
+        strict=True,
+    ):
+        assert line.getMessage().startswith(
+            f"ptrres {ptrres.__version__} checks vLLM {vllm.__version__}'s {path}: "
+            f"patched {first}, "
+        )
 
 
 def test_register_reports_among_vllms_lines_when_nobody_handles_ptrres(
@@ -304,7 +334,7 @@ def test_register_reports_among_vllms_lines_when_nobody_handles_ptrres(
         plugin.register()
     finally:
         child.removeHandler(handler)
-    assert [r.levelno for r in records] == [logging.INFO]
+    assert [r.levelno for r in records] == [logging.INFO] * len(_state.PATHS)
     assert "transfer_async" in records[0].getMessage()
 
 
@@ -321,10 +351,10 @@ def test_ptrres_vllm_0_keeps_the_plugin_off(
 def test_register_never_raises(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken() -> list[str]:
+    def broken(path: str) -> list[str]:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(_patching, "patch", broken)
+    monkeypatch.setattr(_patching, "patch_path", broken)
     with caplog.at_level(logging.WARNING, logger="ptrres.vllm"):
         plugin.register()
     assert "could not patch vLLM" in caplog.text
@@ -337,9 +367,16 @@ def test_register_on_an_untested_version_warns_and_changes_nothing(
 
     original = vars(Handler)["transfer_async"]
     monkeypatch.setattr(vllm, "__version__", "0.40.0")
-    with pytest.warns(plugin.VllmPatchWarning):
+    with pytest.warns(plugin.VllmPatchWarning) as caught:
         plugin.register()
+    assert [str(w.message) for w in caught] == [
+        "ptrres.vllm left vLLM unpatched: vLLM 0.40.0 is not a tested version "
+        "(0.30.x, 0.31.x, 0.32.x, 0.33.x)"
+    ]
     assert_untouched(original)
+    assert not plugin.is_patched()
+    assert [s.status for s in _patching.path_states()] == ["left alone"] * 3
+    assert _hook.PatchOnImport.installed is None  # nothing left to wait for
 
 
 def test_the_entry_point_is_declared() -> None:
@@ -387,18 +424,18 @@ def test_importing_ptrres_never_imports_vllm() -> None:
 
 
 @pytest.mark.parametrize(
-    ("module", "reason"),
+    ("module", "reason", "patched"),
     [
-        ("vllm", "vLLM cannot be imported"),
-        (worker.__name__, "gpu_worker cannot be imported"),
+        ("vllm", "vLLM cannot be imported", []),
+        (worker.__name__, "gpu_worker cannot be imported", OTHER_PATCHES),
     ],
 )
 def test_a_vllm_that_cannot_be_imported_is_left_alone(
-    module: str, reason: str, monkeypatch: pytest.MonkeyPatch
+    module: str, reason: str, patched: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     original = vars(Handler)["transfer_async"]
     monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
-    assert_warns_once(reason)
+    assert_warns_once(reason, patched)
     assert_untouched(original)
 
 
@@ -407,7 +444,7 @@ def test_a_missing_handler_class_leaves_vllm_alone(
 ) -> None:
     monkeypatch.delattr(worker, "SingleDirectionOffloadingHandler")
     assert_warns_once("SingleDirectionOffloadingHandler is missing")
-    assert not plugin.is_patched()
+    assert not _state.patched(_state.HANDLER)
 
 
 def test_a_method_without_a_signature_leaves_vllm_alone(
@@ -421,7 +458,7 @@ def test_a_method_without_a_signature_leaves_vllm_alone(
 
     monkeypatch.setattr(Handler, "get_finished", Unreadable())
     assert_warns_once("get_finished has no readable signature")
-    assert not plugin.is_patched()
+    assert not _state.patched(_state.HANDLER)
 
 
 def test_optional_modules(monkeypatch: pytest.MonkeyPatch) -> None:

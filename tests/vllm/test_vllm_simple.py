@@ -39,7 +39,7 @@ from vllm_harness import (
 
 import ptrres
 import ptrres.vllm as plugin
-from ptrres.vllm import _hook, _patching, _warmup
+from ptrres.vllm import _hook, _patching, _state, _warmup
 from ptrres.vllm._simple import PLAN_ATTRIBUTE, CopyBlockIdError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,22 +116,31 @@ def test_patch_replaces_both_functions_wherever_vllm_looks_them_up() -> None:
         assert getattr(sys.modules[module], name) is original
 
 
-def test_a_changed_copy_blocks_leaves_all_of_vllm_alone(
+def test_a_changed_copy_blocks_leaves_the_simple_path_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """All or nothing: the simple path's guard refuses the handler's too."""
+    """All or nothing within the path: build_params stays vLLM's too, in
+    every module; the handler's path is patched."""
 
     def copy_blocks(src_block_ids: Any, dst_block_ids: Any) -> None:
         raise AssertionError
 
     handler = vars(Handler)["transfer_async"]
     monkeypatch.setattr(cuda_mem_ops, "copy_blocks", copy_blocks)
-    with pytest.warns(plugin.VllmPatchWarning, match="copy_blocks has the signature"):
-        assert plugin.patch() == []
-    assert not plugin.is_patched()
+    with pytest.warns(
+        plugin.VllmPatchWarning,
+        match="^ptrres.vllm left vLLM's simple offload path unpatched: "
+        ".*copy_blocks has the signature",
+    ):
+        patched = plugin.patch()
+    assert not set(patched) & set(SIMPLE_PATCHES)
+    assert "SingleDirectionOffloadingHandler.transfer_async" in patched
+    assert not _state.patched(_state.SIMPLE)
     assert cuda_mem_ops.copy_blocks is copy_blocks
     assert copy_backend.copy_blocks is VLLM_COPY_BLOCKS
-    assert vars(Handler)["transfer_async"] is handler
+    for module in MODULES:
+        assert module.build_params is VLLM_BUILD_PARAMS
+    assert vars(Handler)["transfer_async"] is not handler
 
 
 @pytest.mark.parametrize(
@@ -159,7 +168,10 @@ def test_what_the_patch_relies_on_is_checked_first(
     else:
         monkeypatch.delattr(cuda_mem_ops, "_resolve_max_batch_descriptors")
     with pytest.warns(plugin.VllmPatchWarning, match=reason):
-        assert plugin.patch() == []
+        patched = plugin.patch()
+    assert not set(patched) & set(SIMPLE_PATCHES)
+    assert _state.patched(_state.HANDLER)
+    assert not _state.patched(_state.SIMPLE)
     assert cuda_mem_ops.build_params is VLLM_BUILD_PARAMS
 
 
@@ -677,13 +689,13 @@ else:
     import ptrres.vllm
     ptrres.vllm.register()
 import ptrres.vllm as plugin
-from ptrres.vllm._release import PATCH_TRIGGERS, SIMPLE_MODULE
+from ptrres.vllm._release import PATH_MODULES
 registered = {
     "numba": "numba" in sys.modules,
     "kernels": "ptrres._kernels" in sys.modules,
     "patched": plugin.is_patched(),
     "offload_modules": [
-        m for m in (*PATCH_TRIGGERS, SIMPLE_MODULE) if m in sys.modules
+        m for ms in PATH_MODULES.values() for m in ms if m in sys.modules
     ],
 }
 from vllm.v1.simple_kv_offload import copy_backend, cuda_mem_ops
@@ -794,9 +806,9 @@ def test_the_kernels_refuse_outputs_they_cannot_write(merged: bool) -> None:
 def triggers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[str, str]]:
-    """Two modules standing in for vLLM's offloading modules: the outer one
-    imports the inner one, and each notes whether vLLM was patched when it
-    ran."""
+    """Two modules standing in for vLLM's simple offload modules: the outer
+    one imports the inner one, and each notes whether vLLM was patched when
+    it ran. The other paths wait for modules nobody imports."""
     outer, inner = "ptrres_trigger_outer", "ptrres_trigger_inner"
     (tmp_path / f"{inner}.py").write_text(
         "import ptrres.vllm\nPATCHED = ptrres.vllm.is_patched()\n"
@@ -805,7 +817,15 @@ def triggers(
         f"import ptrres.vllm, {inner}\nPATCHED = ptrres.vllm.is_patched()\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(_patching, "PATCH_TRIGGERS", (outer, inner))
+    monkeypatch.setattr(
+        _patching,
+        "PATH_TRIGGERS",
+        {
+            _state.HANDLER: ("ptrres_trigger_never_handler",),
+            _state.SIMPLE: (outer, inner),
+            _state.NIXL: ("ptrres_trigger_never_nixl",),
+        },
+    )
     monkeypatch.delenv("PTRRES_VLLM", raising=False)
     yield outer, inner
     for name in (outer, inner):
@@ -831,7 +851,17 @@ def test_register_patches_once_the_last_trigger_has_run(
     assert plugin.is_patched()
     # Neither module saw a patch: the inner one ended while the outer ran.
     assert (module.PATCHED, sys.modules[inner].PATCHED) == (False, False)
-    assert hooks() == []
+    # The simple path alone; the hook waits for the others.
+    assert [(s.path, s.status) for s in _patching.path_states()] == [
+        (_state.HANDLER, "waiting"),
+        (_state.SIMPLE, "patched"),
+        (_state.NIXL, "waiting"),
+    ]
+    assert len(hooks()) == 1
+    assert hooks()[0].triggers == {
+        "ptrres_trigger_never_handler",
+        "ptrres_trigger_never_nixl",
+    }
     assert type(module.__loader__).__name__ == "SourceFileLoader"
     assert module.__spec__ is not None
     assert module.__spec__.loader is module.__loader__
@@ -854,8 +884,9 @@ def test_a_trigger_imported_already_patches_at_once(
 
     importlib.import_module(triggers[1])
     plugin.register()
-    assert plugin.is_patched()
-    assert hooks() == []
+    assert _state.patched(_state.SIMPLE)
+    assert not _state.patched(_state.HANDLER)
+    assert len(hooks()) == 1  # the other paths wait
 
 
 def test_the_wrapped_loader_answers_as_the_modules_own() -> None:
