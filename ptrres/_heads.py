@@ -208,7 +208,7 @@ def tp_mapping(
     )
     if type(mla) is not bool:
         raise InputTypeError(f"mla must be True or False, got {mla!r}")
-    if kv_layout not in (HND, NHD):
+    if not (isinstance(kv_layout, str) and kv_layout in (HND, NHD)):
         raise InputTypeError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
     if min(tp_size, peer_tp_size, num_kv_heads) < 1:
         raise LayoutError(
@@ -262,7 +262,8 @@ def _head_slices(
         candidates = range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
     slices = []
     next_head = local.start
-    for source in candidates:
+    source = candidates.start
+    while source < candidates.stop and next_head < local.stop:
         held = rank_heads(source, peer_tp_size, num_kv_heads)
         first, stop = max(held.start, next_head), min(held.stop, local.stop)
         if first < stop:
@@ -277,5 +278,15 @@ def _head_slices(
                 )
             )
             next_head = stop
+        # The next peer rank that holds a head not yet given (ranks that
+        # replicate a head given already give nothing: skip them all).
+        source = max(source + 1, _first_holder(next_head, peer_tp_size, num_kv_heads))
     assert next_head == local.stop, (tp_rank, tp_size, peer_tp_size, num_kv_heads)
     return tuple(slices)
+
+
+def _first_holder(head: int, tp_size: int, num_kv_heads: int) -> int:
+    """The first rank of TP ``tp_size`` that holds KV head ``head``."""
+    if tp_size <= num_kv_heads:
+        return head // (num_kv_heads // tp_size)
+    return head * (tp_size // num_kv_heads)

@@ -93,7 +93,9 @@ class PeerLayout:
     """
 
     def __init__(self, group_refs: Any, *, kv_layout: str | None = None) -> None:
-        if kv_layout not in (None, HND, NHD):
+        if kv_layout is not None and not (
+            isinstance(kv_layout, str) and kv_layout in (HND, NHD)
+        ):
             raise InputTypeError(
                 f"kv_layout must be 'HND', 'NHD' or None, got {kv_layout!r}"
             )

@@ -54,10 +54,12 @@ def tp_mapping(
     heads = range(num_kv_heads)
     mine = [h for h in heads if holds(tp_rank, tp_size, num_kv_heads, h)]
     if tp_size >= peer_tp_size:
-        candidates = [tp_rank * peer_tp_size // tp_size]
+        candidates = range(
+            tp_rank * peer_tp_size // tp_size, 1 + tp_rank * peer_tp_size // tp_size
+        )
     else:
         per_rank = peer_tp_size // tp_size
-        candidates = list(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
+        candidates = range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
     # The first candidate that holds each of my heads gives it.
     giver = {
         h: next(s for s in candidates if holds(s, peer_tp_size, num_kv_heads, h))
