@@ -397,7 +397,7 @@ def pair_peer(
         return PeerPair(
             peer, heads, ref_table, peer.ref_table, peer.offloaded_refs, group_bytes
         )
-    local_offsets, remote_offsets, sizes = np.array(slices, np.int64).T
+    local_offsets, remote_offsets, sizes = np.array(slices, np.int64).reshape(-1, 3).T
     sliced = np.split(sizes, np.cumsum(ref_counts)[:-1])
     return PeerPair(
         peer,
