@@ -255,6 +255,46 @@ offloading worker, and in one that has imported what a GPU worker has.""",
         markdown=True,
     ),
     Section(
+        "nixl-tp",
+        "NIXL between engines of different TP: descriptors, building, UCX",
+        """\
+[docs/nixl.md](nixl.md). A prefill engine and a decode engine at different
+tensor parallelism (prefill TP -> decode TP 1->2, 2->1, 1->4, 4->1, 2->8,
+8->2), Llama-3.1-8B and 70B (8 KV heads, K and V apart: 64 and 160 refs,
+HND pages of 4 KiB per head: 32 KiB a ref on a rank at TP 1, 4 KiB at TP 8).
+One decode rank (the last) gathers its heads from its source ranks
+(`ptrres.tp_mapping`): one prepared list pair and one transfer per source
+rank. First the setup, once per peer engine, from the handshake's numbers
+to both sides' prepared lists: vLLM 0.33's own `compute_tp_mapping`,
+`_build_fa_local`, `_build_fa_remote` and `_build_local_splits_from_plan`
+on a bare worker, against `PeerLayout.from_nixl_metadata`, `tp_mapping`
+and `prepped_pair` (rows checked equal). Then building per transfer, on the
+shipped traces' ids, interleaved in one process: vLLM's own
+`_compute_desc_ids` (both sides, once per source rank, as `_read_blocks`
+calls it) against `prepped_indices` (local ids once, remote ids per source
+rank; and `ptrres/read`, both per source rank as vLLM does) into the same
+prepared lists (indices checked equal), and the peer plans
+(`plan_peer_transfer(heads=)`, `peer_xfer_descs`, plain and coalesced).
+Last, build plus post over UCX on loopback: the decode rank's agent here,
+one agent per source rank in a second process, host memory, pages divided
+by 64, every head of the moved pages checked first; from the ids to every
+transfer DONE. Head slices are not contiguous from block to block, so
+coalescing merges nothing here and NIXL's own merge neither.
+
+Reading: per transfer, ptrres's checked indices into the prepared lists
+cost less than vLLM's unchecked ones on every pair, and the gap grows with
+the source ranks (vLLM computes both sides again for each). The peer plans
+write three address arrays and two Nx3 lists instead of two index arrays,
+and lose to the indices from a few hundred blocks on: use prepared lists for
+large transfers. The setup, once per peer engine, is where ptrres is slower
+(milliseconds: every ref's slice is checked in Python). Over UCX the
+transfer itself takes over 90% of the time, so the four ways end within
+noise of each other.""",
+        ("python", "benchmarks/nixl_tp.py"),
+        ("--quick",),
+        markdown=True,
+    ),
+    Section(
         "core-targets",
         "Resolver targets",
         """\
