@@ -59,7 +59,7 @@ def expected_pages(
     as ``before``. Where a local id repeats, the transfer must not be asked
     to write it twice from different blocks (NIXL keeps no order), so the
     last pair is taken only where the caller made them agree."""
-    after = before.copy()
+    after: Bytes = before.copy()
     for local, remote in zip(local_ids, remote_ids):
         after[local] = source[remote, heads].reshape(-1)
     return after

@@ -1,0 +1,698 @@
+"""Different TP on prefill and decode (SPEC 15, issue 34), without NIXL.
+
+The mapping against the reference's head-by-head one over the whole grid,
+and against the head oracle (tests/head_oracle.py, which shares nothing with
+either); sliced peer plans, plain and coalesced, and prepared lists against
+the reference's; then the bytes: every prefill and decode rank's KV caches
+built in host memory from one logical KV per layer, every decode rank's
+slices planned and executed (ptrres.reference.execute_descriptors), and each
+rank's pages checked against the oracle's shard of the prefill KV, every
+other byte (other blocks, padding, guard zones, the prefill side)
+unchanged. Then every impossible input, and vLLM's NIXL handshake as a peer
+layout. tests/nixl moves the same slices with real NIXL agents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from head_oracle import expected_pages, logical_kv, rank_pages, shard
+from hypothesis import example, given
+from test_peer import (
+    FIELDS,
+    assert_same_plan,
+    boundary_ids,
+    ref_allocations,
+    runs_of_ids,
+)
+
+import ptrres
+import ptrres.nixl
+from ptrres import reference
+
+TP_SIZES = (1, 2, 4, 8)
+KV_HEADS = (1, 2, 4, 8, 16)
+
+
+def grid() -> list[tuple[int, int, int, bool]]:
+    """Every (this TP, the peer's TP, KV heads, MLA) of the issue's grid."""
+    return [
+        (tp, peer_tp, heads, mla)
+        for tp in TP_SIZES
+        for peer_tp in TP_SIZES
+        for heads in KV_HEADS
+        for mla in (False, True)
+    ]
+
+
+# The mapping -----------------------------------------------------------------
+
+
+def assert_mapping_holds(
+    mapping: ptrres.TPMapping, rank: int, tp: int, peer_tp: int, heads: int, mla: bool
+) -> None:
+    """What the oracle's shard() says a rank's slices must be: each of its
+    heads given once, by a peer rank that holds it, at the slots both sides'
+    pages hold it, inside both pages."""
+    mine = shard(rank, tp, heads, mla)
+    filled: list[int] = []
+    for s in mapping.slices:
+        assert all(type(value) is int for value in s)
+        assert 0 <= s.source_rank < peer_tp
+        theirs = shard(s.source_rank, peer_tp, heads, mla)
+        if mla:
+            # The latent page is one piece: every rank holds all of it.
+            assert theirs == mine
+            assert s.whole_page
+            assert s.local_heads == 1
+        else:
+            assert (s.local_heads, s.remote_heads) == (len(mine), len(theirs))
+            given = theirs[s.remote_head : s.remote_head + s.num_heads]
+            assert given == mine[s.local_head : s.local_head + s.num_heads]
+            assert len(given) == s.num_heads >= 1
+        filled += range(s.local_head, s.local_head + s.num_heads)
+        for head_bytes in (1, 3, 64):
+            local_page = s.local_heads * head_bytes
+            remote_page = s.remote_heads * head_bytes
+            local, remote, size = s.byte_range(local_page, remote_page)
+            assert size == s.num_heads * head_bytes
+            assert local >= 0
+            assert local + size <= local_page
+            assert remote >= 0
+            assert remote + size <= remote_page
+            assert s.local_range(local_page) == (local, size)
+            assert s.remote_range(remote_page) == (remote, size)
+    # Every slot of this rank's page filled once, in order of its heads.
+    assert filled == list(range(1 if mla else len(mine)))
+    assert len(set(mapping.source_ranks)) == len(mapping.slices)
+    for s in mapping.slices:
+        assert mapping.slice_of(s.source_rank) is s
+    if tp >= peer_tp or mla:
+        (only,) = mapping.slices
+        assert only.source_rank == rank * peer_tp // tp
+    if tp == peer_tp or mla:
+        # Today's plan (equal TP), or the replicated latent page.
+        assert mapping.slices[0].whole_page
+
+
+def test_the_mapping_is_the_references_and_the_oracles_over_the_grid() -> None:
+    """TP sizes {1, 2, 4, 8} on both sides, {1, 2, 4, 8, 16} KV heads (fewer
+    than the TP on either side included), every rank, MLA or not: ptrres's
+    mapping is the reference's, and holds what the oracle says."""
+    checked = 0
+    for tp, peer_tp, heads, mla in grid():
+        for rank in range(tp):
+            mapping = ptrres.tp_mapping(rank, tp, peer_tp, heads, mla=mla)
+            assert mapping == reference.tp_mapping(rank, tp, peer_tp, heads, mla=mla)
+            assert (mapping.tp_rank, mapping.tp_size, mapping.peer_tp_size) == (
+                rank,
+                tp,
+                peer_tp,
+            )
+            assert (mapping.num_kv_heads, mapping.mla) == (heads, mla)
+            assert_mapping_holds(mapping, rank, tp, peer_tp, heads, mla)
+            # NHD pages: the same answer where every slice is a whole page,
+            # else refused by both.
+            if all(s.whole_page for s in mapping.slices):
+                nhd = ptrres.tp_mapping(
+                    rank, tp, peer_tp, heads, mla=mla, kv_layout="NHD"
+                )
+                assert nhd == mapping
+            else:
+                for mapping_of in (ptrres.tp_mapping, reference.tp_mapping):
+                    with pytest.raises(ptrres.LayoutError, match="NHD"):
+                        mapping_of(rank, tp, peer_tp, heads, mla=mla, kv_layout="NHD")
+            checked += 1
+    assert checked == 2 * len(KV_HEADS) * len(TP_SIZES) * sum(TP_SIZES)
+
+
+@pytest.mark.parametrize(
+    ("rank", "tp", "peer_tp", "heads", "expected"),
+    [
+        # SGLang #31295: prefill TP 1 to decode TP 4, 2 KV heads: decode
+        # ranks 0, 1 hold head 0, ranks 2, 3 head 1; each reads one of the
+        # prefill page's two heads.
+        (0, 4, 1, 2, [(0, 0, 0, 1, 1, 2)]),
+        (1, 4, 1, 2, [(0, 0, 0, 1, 1, 2)]),
+        (2, 4, 1, 2, [(0, 0, 1, 1, 1, 2)]),
+        (3, 4, 1, 2, [(0, 0, 1, 1, 1, 2)]),
+        # Decode TP 1 gathers from prefill TP 2: each half of its page.
+        (0, 1, 2, 8, [(0, 0, 0, 4, 8, 4), (1, 4, 0, 4, 8, 4)]),
+        # Prefill TP 8 replicates 2 heads 4 times: decode TP 1 reads each
+        # head once, from the first rank that holds it.
+        (0, 1, 8, 2, [(0, 0, 0, 1, 2, 1), (4, 1, 0, 1, 2, 1)]),
+        # Decode TP 2 of 4 heads from prefill TP 1: the second half.
+        (1, 2, 1, 4, [(0, 0, 2, 2, 2, 4)]),
+    ],
+)
+def test_the_issues_cases_by_hand(
+    rank: int, tp: int, peer_tp: int, heads: int, expected: list[tuple[int, ...]]
+) -> None:
+    mapping = ptrres.tp_mapping(rank, tp, peer_tp, heads)
+    assert [tuple(s) for s in mapping.slices] == expected
+    assert mapping.source_ranks == tuple(s[0] for s in expected)
+
+
+# Sliced plans against the reference -----------------------------------------
+
+
+@dataclass
+class SlicedCase:
+    """A table and a peer rank whose pages hold their ranks' heads, a slice
+    of one decode rank's mapping, and ids."""
+
+    kv_caches: ptrres.CanonicalKVCaches
+    peer_caches: ptrres.CanonicalKVCaches
+    heads: ptrres.HeadSlice
+    spec: ptrres.GPULoadStoreSpec
+    remote_ids: np.ndarray
+    out: bool
+
+
+def byte_tensors(
+    blocks: int, strides: list[int], shared: bool, seed: int
+) -> list[torch.Tensor]:
+    """One (blocks, stride) uint8 tensor of random bytes per stride: each its
+    own allocation, or views back to back in one buffer."""
+    generator = torch.Generator().manual_seed(seed)
+    if not shared:
+        return [
+            torch.randint(0, 256, (blocks, s), dtype=torch.uint8, generator=generator)
+            for s in strides
+        ]
+    buffer = torch.randint(
+        0, 256, (blocks * sum(strides),), dtype=torch.uint8, generator=generator
+    )
+    starts = np.cumsum([0, *strides]) * blocks
+    return [
+        buffer[int(a) : int(b)].view(blocks, s)
+        for a, b, s in zip(starts[:-1], starts[1:], strides)
+    ]
+
+
+@st.composite
+def sliced_cases(draw: Any) -> SlicedCase:
+    tp, peer_tp = draw(st.sampled_from(TP_SIZES)), draw(st.sampled_from(TP_SIZES))
+    num_heads, mla = draw(st.sampled_from(KV_HEADS)), draw(st.booleans())
+    rank = draw(st.integers(0, tp - 1))
+    heads = draw(
+        st.sampled_from(ptrres.tp_mapping(rank, tp, peer_tp, num_heads, mla=mla).slices)
+    )
+    sides: tuple[tuple[list[Any], list[Any]], ...] = ([], []), ([], [])
+    local_ids: list[int] = []
+    remote_ids: list[int] = []
+    sizes = []
+    for g in range(draw(st.integers(1, 3))):
+        n_refs = draw(st.integers(0, 3))
+        head_bytes = [draw(st.sampled_from([1, 2, 4, 6])) for _ in range(n_refs)]
+        blocks = draw(st.integers(1, 10)), draw(st.integers(1, 10))
+        for side, (tensors, refs), held in zip(
+            (0, 1), sides, (heads.local_heads, heads.remote_heads)
+        ):
+            pages = [held * b for b in head_bytes]
+            strides = [p + draw(st.sampled_from([0, 0, 1, 8])) for p in pages]
+            made = byte_tensors(
+                blocks[side], strides, draw(st.booleans()), 10 * g + side
+            )
+            refs.append(
+                [
+                    ptrres.CanonicalKVCacheRef(len(tensors) + d, page)
+                    for d, page in enumerate(pages)
+                ]
+            )
+            tensors += [ptrres.CanonicalKVCacheTensor(t, t.stride(0)) for t in made]
+        n = draw(st.integers(0, 6))
+        ids, peer_ids = draw(runs_of_ids(n, *blocks))
+        local_ids += ids
+        remote_ids += peer_ids
+        sizes.append(n)
+    dtype = draw(st.sampled_from([np.int32, np.int64]))
+    kv, peer_kv = (ptrres.CanonicalKVCaches(t, r) for t, r in sides)
+    spec = ptrres.GPULoadStoreSpec(np.array(local_ids, dtype), sizes)
+    return SlicedCase(
+        kv, peer_kv, heads, spec, np.array(remote_ids, dtype), draw(st.booleans())
+    )
+
+
+def expand(rows: ptrres.nixl.PreppedRows) -> tuple[np.ndarray, np.ndarray]:
+    """A prepared list's descriptors: each strided row ``(base, page, devId,
+    stride, count)`` as its ``count`` addresses and sizes."""
+    addresses = [np.zeros(0, np.uint64)]
+    sizes = [np.zeros(0, np.uint64)]
+    for base, page, _, stride, count in rows.xfer_list.tolist():
+        addresses.append(
+            np.uint64(base) + np.arange(count, dtype=np.uint64) * np.uint64(stride)
+        )
+        sizes.append(np.full(count, page, np.uint64))
+    return np.concatenate(addresses), np.concatenate(sizes)
+
+
+def prepped_plan(
+    table: ptrres.PointerTable,
+    peer: ptrres.PeerLayout,
+    heads: ptrres.HeadSlice,
+    spec: ptrres.GPULoadStoreSpec,
+    remote_ids: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(local, remote, sizes)`` that prepped_pair's lists and
+    prepped_indices' indices name, as NIXL's make_prepped_xfer reads them."""
+    local_rows, remote_rows = ptrres.nixl.prepped_pair(table, peer, heads)
+    for rows, layout in ((local_rows, table), (remote_rows, peer)):
+        np.testing.assert_array_equal(
+            rows.xfer_list, ptrres.nixl.prepped_rows(layout, heads=heads).xfer_list
+        )
+    local_addresses, local_sizes = expand(local_rows)
+    remote_addresses, remote_sizes = expand(remote_rows)
+    local_indices = ptrres.nixl.prepped_indices(table, spec)
+    remote_indices = ptrres.nixl.prepped_indices(peer, remote_ids, spec.group_sizes)
+    sizes = local_sizes[local_indices]
+    np.testing.assert_array_equal(sizes, remote_sizes[remote_indices])
+    return local_addresses[local_indices], remote_addresses[remote_indices], sizes
+
+
+@given(sliced_cases(), st.sampled_from([None, 8, 40]))
+def test_sliced_plans_are_the_references(case: SlicedCase, cap: int | None) -> None:
+    """Plain sliced plans equal the reference's; coalesced ones the
+    reference's coalescing of the plain plan, never across allocations; the
+    prepared lists and indices name the plain plan's descriptors."""
+    table = ptrres.PointerTable(case.kv_caches)
+    peer = ptrres.PeerLayout.of(ptrres.PointerTable(case.peer_caches))
+    expected = reference.plan_peer_transfer(
+        case.spec, case.kv_caches, peer.groups, case.remote_ids, heads=case.heads
+    )
+    n = len(expected.sizes)
+    out = tuple(np.full(n + 2, 7, np.uint64) for _ in FIELDS) if case.out else None
+    plan = table.plan_peer_transfer(
+        case.spec, peer, case.remote_ids, heads=case.heads, out=out
+    )
+    assert_same_plan(plan, expected)
+    # The bytes one block moves: each ref's slice, on both sides.
+    per_ref = [
+        case.heads.num_heads * ref.page_size_bytes // case.heads.local_heads
+        for refs in case.kv_caches.group_data_refs
+        for ref in refs
+    ]
+    counts = [len(refs) for refs in case.kv_caches.group_data_refs]
+    assert plan.num_bytes == sum(
+        np.repeat(per_ref, np.repeat(case.spec.group_sizes, counts))
+    )
+    pairs = list(
+        zip(ref_allocations(case.kv_caches), ref_allocations(case.peer_caches))
+    )
+    keys = {pair: i for i, pair in enumerate(dict.fromkeys(pairs))}
+    allocations = np.repeat(
+        [keys[pair] for pair in pairs], np.repeat(case.spec.group_sizes, counts)
+    )
+    merged = reference.coalesce(
+        expected.local, expected.remote, expected.sizes, max_run_bytes=cap,
+        allocations=allocations,
+    )  # fmt: skip
+    coalesced = table.plan_peer_transfer(
+        case.spec,
+        peer,
+        case.remote_ids,
+        heads=case.heads,
+        coalesce=True,
+        max_run_bytes=cap,
+    )
+    for name, expected_name in zip(FIELDS, ("src", "dst", "sizes")):
+        np.testing.assert_array_equal(
+            getattr(coalesced, name), getattr(merged, expected_name), err_msg=name
+        )
+    assert coalesced.num_bytes == expected.num_bytes
+    local, remote, sizes = prepped_plan(
+        table, peer, case.heads, case.spec, case.remote_ids
+    )
+    for name, values in zip(FIELDS, (local, remote, sizes)):
+        np.testing.assert_array_equal(values, getattr(expected, name), err_msg=name)
+
+
+def sliced_engines(
+    local_heads: int = 2, remote_heads: int = 4, head_bytes: int = 8
+) -> tuple[ptrres.CanonicalKVCaches, ptrres.PointerTable, ptrres.PeerLayout]:
+    """Two groups of two refs each side, 10 local and 12 remote blocks, pages
+    of local_heads and remote_heads heads of head_bytes."""
+
+    def caches(blocks: int, heads: int, seed: int) -> ptrres.CanonicalKVCaches:
+        page = heads * head_bytes
+        tensors = byte_tensors(blocks, [page + 4] * 4, False, seed)
+        return ptrres.CanonicalKVCaches(
+            [ptrres.CanonicalKVCacheTensor(t, t.stride(0)) for t in tensors],
+            [
+                [ptrres.CanonicalKVCacheRef(2 * g + d, page) for d in range(2)]
+                for g in range(2)
+            ],
+        )
+
+    local = caches(10, local_heads, 0)
+    peer = ptrres.PeerLayout.of(ptrres.PointerTable(caches(12, remote_heads, 1)))
+    return local, ptrres.PointerTable(local), peer
+
+
+@pytest.mark.parametrize("side", ["local", "remote"])
+@pytest.mark.parametrize("group", [0, 1])
+def test_every_id_of_a_sliced_plan_is_checked_on_both_sides(
+    side: str, group: int
+) -> None:
+    """-1, the ref's block count and ids past int32 and int64, in either
+    group, on either side: the reference's error, nothing kept in out=, and
+    the next plan works."""
+    local, table, peer = sliced_engines()
+    heads = ptrres.tp_mapping(1, 2, 1, 4).slices[0]  # heads 2, 3 of 4
+    expected_type = (
+        ptrres.BlockIdError if side == "local" else ptrres.RemoteBlockIdError
+    )
+    for bad in boundary_ids(10 if side == "local" else 12):
+        local_ids = np.array([1, 2, 3, 4], np.int64)
+        remote_ids = np.array([5, 6, 7, 8], np.int64)
+        (local_ids if side == "local" else remote_ids)[2 * group + 1] = bad
+        spec = ptrres.GPULoadStoreSpec(local_ids, [2, 2])
+        for coalesce in (False, True):
+            out = tuple(np.full(8, 7, np.uint64) for _ in FIELDS)
+            with pytest.raises(expected_type) as error:
+                table.plan_peer_transfer(
+                    spec, peer, remote_ids, heads=heads, coalesce=coalesce, out=out
+                )
+            assert all((buffer == 0).all() for buffer in out)
+            with pytest.raises(expected_type) as expected:
+                reference.plan_peer_transfer(
+                    spec, local, peer.groups, remote_ids, heads=heads
+                )
+            assert str(error.value) == str(expected.value)
+            assert (error.value.group, error.value.position, error.value.value) == (
+                group,
+                1,
+                bad,
+            )
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2, 3, 4]), [2, 2])
+    plan = table.plan_peer_transfer(spec, peer, [5, 6, 7, 8], heads=heads)
+    assert plan.sizes.tolist() == [16] * 8
+
+
+# The head oracle -------------------------------------------------------------
+
+
+@dataclass
+class GroupShape:
+    """One KV cache group: its blocks on each side, its layers (refs) and the
+    ids a transfer moves."""
+
+    local_blocks: int
+    remote_blocks: int
+    tokens: int
+    # Bytes per token of a head, per layer.
+    head_bytes: list[int]
+    # Row padding past the page, per layer, on each side.
+    local_pads: list[int]
+    remote_pads: list[int]
+    local_ids: list[int]
+    remote_ids: list[int]
+
+
+@dataclass
+class Shape:
+    """Both engines' KV caches, TP aside: groups, guard zones, whether a
+    group's layers are views of one allocation, the ids, how to coalesce."""
+
+    groups: list[GroupShape]
+    guard: int = 16
+    shared: tuple[bool, bool] = (False, False)
+    max_run_bytes: int | None = None
+    seed: int = 0
+
+
+@st.composite
+def paired_ids(draw: Any, n: int, local_limit: int, remote_limit: int) -> Any:
+    """n local and remote ids in runs (test_peer.runs_of_ids), where a local
+    id that repeats takes the remote id it had first: never two sources for
+    one block (NIXL keeps no order between them)."""
+    local, remote = draw(runs_of_ids(n, local_limit, remote_limit))
+    first: dict[int, int] = {}
+    return local, [first.setdefault(a, b) for a, b in zip(local, remote)]
+
+
+@st.composite
+def shapes(draw: Any) -> Shape:
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        layers = draw(st.integers(1, 3))
+        blocks = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+        n = draw(st.integers(0, 6))
+        local_ids, remote_ids = draw(paired_ids(n, *blocks))
+        local_pads, remote_pads = (
+            [draw(st.sampled_from([0, 0, 5, 16])) for _ in range(layers)] for _ in "lr"
+        )
+        groups.append(
+            GroupShape(
+                blocks[0],
+                blocks[1],
+                draw(st.integers(1, 3)),
+                [draw(st.sampled_from([1, 2, 4, 5])) for _ in range(layers)],
+                local_pads,
+                remote_pads,
+                local_ids,
+                remote_ids,
+            )
+        )
+    return Shape(
+        groups,
+        draw(st.sampled_from([1, 16, 64])),
+        (draw(st.booleans()), draw(st.booleans())),
+        draw(st.sampled_from([None, 8, 64])),
+        draw(st.integers(0, 2**16)),
+    )
+
+
+@dataclass
+class RankCaches:
+    """One TP rank's KV caches in host memory: every allocation, with its
+    guard zones, and where each ref's rows lie in them."""
+
+    buffers: list[np.ndarray] = field(default_factory=list)
+    tensors: list[ptrres.CanonicalKVCacheTensor] = field(default_factory=list)
+    refs: list[list[ptrres.CanonicalKVCacheRef]] = field(default_factory=list)
+    # Per group, per ref: (buffer, first byte of block 0, row stride, page).
+    places: list[list[tuple[int, int, int, int]]] = field(default_factory=list)
+
+    def table(self) -> ptrres.PointerTable:
+        return ptrres.PointerTable(ptrres.CanonicalKVCaches(self.tensors, self.refs))
+
+    def rows(
+        self, buffers: list[np.ndarray], g: int, d: int, blocks: int
+    ) -> np.ndarray:
+        """Ref (g, d)'s pages in ``buffers`` (a view)."""
+        b, start, stride, page = self.places[g][d]
+        return buffers[b][start : start + blocks * stride].reshape(blocks, stride)[
+            :, :page
+        ]
+
+
+def rank_caches(
+    logical: list[list[np.ndarray]],
+    heads: list[int],
+    pads: list[list[int]],
+    guard: int,
+    shared: bool,
+    rng: np.random.Generator,
+) -> RankCaches:
+    """A rank's KV caches: each layer's pages its heads of the logical KV
+    (the oracle's rank_pages), rows padded, each allocation (a layer's, or
+    a group's with ``shared``) between guard zones of random bytes."""
+    caches = RankCaches()
+    for layers, layer_pads in zip(logical, pads):
+        pages = [rank_pages(kv, heads) for kv in layers]
+        strides = [p.shape[1] + pad for p, pad in zip(pages, layer_pads)]
+        sizes = [len(p) * s for p, s in zip(pages, strides)]
+        spans = [sizes] if shared else [[size] for size in sizes]
+        starts = []
+        for span in spans:
+            buffer = rng.integers(0, 256, guard + sum(span) + guard, dtype=np.uint8)
+            starts += [guard + int(a) for a in np.cumsum([0, *span[:-1]])]
+            caches.buffers.append(buffer)
+        group_refs, group_places = [], []
+        first_buffer = len(caches.buffers) - len(spans)
+        for d, (page, stride, start) in enumerate(zip(pages, strides, starts)):
+            b = first_buffer if shared else first_buffer + d
+            blocks, width = page.shape
+            group_places.append((b, start, stride, width))
+            rows = caches.buffers[b][start : start + blocks * stride].reshape(
+                blocks, stride
+            )
+            rows[:, :width] = page
+            tensor = torch.from_numpy(
+                caches.buffers[b][start : start + blocks * stride]
+            )
+            tensor = tensor.view(blocks, stride)[:, :width]
+            group_refs.append(ptrres.CanonicalKVCacheRef(len(caches.tensors), width))
+            caches.tensors.append(ptrres.CanonicalKVCacheTensor(tensor, stride))
+        caches.refs.append(group_refs)
+        caches.places.append(group_places)
+    return caches
+
+
+def execute_into(
+    local: np.ndarray, remote: np.ndarray, sizes: np.ndarray, within: list[np.ndarray]
+) -> None:
+    """A READ: the remote side's bytes into the local side's, every copy
+    inside one of the allocations."""
+    reference.execute_descriptors(remote, local, sizes, within=within)
+
+
+# Two groups of other block counts and layers (a hybrid model), the first's
+# three layers views of one allocation on the decode side.
+HYBRID = Shape(
+    [
+        GroupShape(
+            4, 6, 1, [2, 2, 2], [0, 0, 0], [0, 0, 0], [0, 1, 2, 3], [5, 4, 3, 2]
+        ),
+        GroupShape(2, 3, 3, [1], [4], [0], [1, 0], [2, 2]),
+    ],
+    shared=(True, False),
+)
+
+
+@given(
+    st.sampled_from(TP_SIZES),
+    st.sampled_from(TP_SIZES),
+    st.sampled_from(KV_HEADS),
+    st.booleans(),
+    shapes(),
+)
+@example(
+    1,
+    4,
+    2,
+    False,
+    Shape([GroupShape(6, 6, 2, [4, 2], [0, 3], [5, 0], [0, 1, 2, 5], [5, 4, 3, 0])]),
+)  # SGLang #31295
+@example(
+    2,
+    1,
+    8,
+    False,
+    Shape(
+        [GroupShape(5, 7, 1, [2], [0], [0], [4, 3, 2], [0, 1, 2])], shared=(True, True)
+    ),
+)
+@example(
+    1,
+    2,
+    8,
+    False,
+    Shape([GroupShape(3, 3, 2, [1], [0], [0], [0, 1, 2], [0, 1, 2])], max_run_bytes=64),
+)
+@example(
+    8, 2, 4, True, Shape([GroupShape(4, 4, 2, [3], [0], [7], [1, 1, 2], [3, 3, 0])])
+)
+@example(8, 1, 16, False, HYBRID)
+def test_every_decode_rank_ends_with_its_shard_of_the_prefill_kv(
+    prefill_tp: int, decode_tp: int, num_kv_heads: int, mla: bool, shape: Shape
+) -> None:
+    """THE head oracle: every rank of both engines in host memory, built from
+    one logical KV per layer; every decode rank reads each of its slices
+    from its source rank (plain plans, coalesced plans, and prepared lists
+    with their indices), and then every decode rank's pages of the moved
+    blocks are its shard of the prefill KV, every other byte as it was."""
+    rng = np.random.default_rng(shape.seed)
+    seeds = iter(range(shape.seed, shape.seed + 10_000))
+    prefill_kv, decode_kv = (
+        [
+            [
+                logical_kv(blocks, num_kv_heads, g.tokens, b, next(seeds))
+                for b in g.head_bytes
+            ]
+            for g, blocks in zip(shape.groups, engine_blocks)
+        ]
+        for engine_blocks in (
+            [g.remote_blocks for g in shape.groups],
+            [g.local_blocks for g in shape.groups],
+        )
+    )
+    prefill = [
+        rank_caches(
+            prefill_kv,
+            shard(r, prefill_tp, num_kv_heads, mla),
+            [g.remote_pads for g in shape.groups],
+            shape.guard,
+            shape.shared[1],
+            rng,
+        )
+        for r in range(prefill_tp)
+    ]
+    decode = [
+        rank_caches(
+            decode_kv,
+            shard(r, decode_tp, num_kv_heads, mla),
+            [g.local_pads for g in shape.groups],
+            shape.guard,
+            shape.shared[0],
+            rng,
+        )
+        for r in range(decode_tp)
+    ]
+    peers = [ptrres.PeerLayout.of(rank.table()) for rank in prefill]
+    tables = [rank.table() for rank in decode]
+    spec = ptrres.GPULoadStoreSpec(
+        np.array([i for g in shape.groups for i in g.local_ids], np.int64),
+        [len(g.local_ids) for g in shape.groups],
+    )
+    remote_ids = np.array([i for g in shape.groups for i in g.remote_ids], np.int64)
+    everything = [b for rank in (*prefill, *decode) for b in rank.buffers]
+    initial = [b.copy() for b in everything]
+    # What the oracle says each decode rank's allocations hold afterwards.
+    expected = []
+    for r, rank in enumerate(decode):
+        heads = shard(r, decode_tp, num_kv_heads, mla)
+        after = [b.copy() for b in rank.buffers]
+        for g, group in enumerate(shape.groups):
+            for d in range(len(group.head_bytes)):
+                before = rank_pages(decode_kv[g][d], heads)
+                rows = rank.rows(after, g, d, group.local_blocks)
+                assert (rows == before).all()  # as built
+                rows[:] = expected_pages(
+                    before, prefill_kv[g][d], heads, group.local_ids, group.remote_ids
+                )
+        expected.append(after)
+    # Each decode rank's page bytes per block, over its refs: what its
+    # slices must move per id, no head read twice.
+    page_bytes = [
+        sum(rank.places[g][d][3] for d in range(len(group.head_bytes)))
+        for rank in decode[:1]
+        for g, group in enumerate(shape.groups)
+    ]
+    moved = sum(n * b for n, b in zip(spec.group_sizes, page_bytes))
+    for mode in ("plain", "coalesced", "prepped"):
+        for buffer, copy in zip(everything, initial):
+            buffer[:] = copy
+        for r, table in enumerate(tables):
+            mapping = ptrres.tp_mapping(r, decode_tp, prefill_tp, num_kv_heads, mla=mla)
+            num_bytes = 0
+            for s in mapping.slices:
+                peer = peers[s.source_rank]
+                if mode == "prepped":
+                    local, remote, sizes = prepped_plan(
+                        table, peer, s, spec, remote_ids
+                    )
+                else:
+                    plan = table.plan_peer_transfer(
+                        spec, peer, remote_ids, heads=s, coalesce=mode == "coalesced",
+                        max_run_bytes=shape.max_run_bytes,
+                    )  # fmt: skip
+                    local, remote, sizes = plan.local, plan.remote, plan.sizes
+                    assert plan.num_bytes == int(sizes.sum())
+                execute_into(local, remote, sizes, everything)
+                num_bytes += int(sizes.sum())
+            assert num_bytes == moved, (mode, r)
+        n_prefill = sum(len(rank.buffers) for rank in prefill)
+        for buffer, copy in zip(everything[:n_prefill], initial[:n_prefill]):
+            np.testing.assert_array_equal(buffer, copy, err_msg=f"{mode}: prefill side")
+        for r, (rank, after) in enumerate(zip(decode, expected)):
+            for b, (buffer, want) in enumerate(zip(rank.buffers, after)):
+                np.testing.assert_array_equal(
+                    buffer, want, err_msg=f"{mode}: decode rank {r}, allocation {b}"
+                )
