@@ -18,16 +18,17 @@ block: vLLM PR #56110 counted 30,208 descriptors, 0.99 GB, for 256 blocks).
 Ids are random, distinct, on each side. The disk backend's rows are its calls:
 one block between the GPU tensors and two staging slots.
 
-The table runs twice, each time in a child whose glibc malloc is set from the
-start, since what vLLM's own copy costs at 4096 blocks depends on it (its
-numpy arrays are 1 to 5 MiB each): on a warm heap (WARM_MALLOC: the
-thresholds glibc sets itself once a process has freed a block of 32 MiB, as a
-worker that has loaded a model has; what one call frees, the next reuses),
-then on fresh pages (FRESH_MALLOC, as ``nixl_desc_ids.py`` has it: every
-large array mapped anew and faulted in as it is first written). Each cell
-gives the minor page faults of one call of each side, which say which heap
-it ran on. In a process left to itself, either can happen: it depends on
-what the process allocated and freed before.
+The table runs on two heaps, each in children whose glibc malloc is set from
+the start (``--repeats`` children a heap, alternating; per cell the median over
+them, and each child's speedup), since what vLLM's own copy costs at 4096
+blocks depends on it (its numpy arrays are 1 to 5 MiB each): on a warm heap
+(WARM_MALLOC: the thresholds glibc sets itself once a process has freed a block
+of 32 MiB, as a worker that has loaded a model has; what one call frees, the
+next reuses), then on fresh pages (FRESH_MALLOC, as ``nixl_desc_ids.py`` has
+it: every large array mapped anew and faulted in as it is first written). Each
+cell gives the minor page faults of one call of each side, which say which heap
+it ran on. In a process left to itself, either can happen: it depends on what
+the process allocated and freed before.
 
 ``--plugin-cost`` (part of the default run) times fresh interpreters,
 alternating: vLLM's ``load_general_plugins()`` with ptrres's entry point and
@@ -37,7 +38,7 @@ offload backend (the patch), builds params (the kernels, from Numba's cache)
 and copies for the first time.
 
 Run: python benchmarks/simple_copy_blocks.py [--quick] [--rounds 9]
-     [--copy-rounds 15]
+     [--copy-rounds 15] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -175,37 +177,28 @@ def load() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def copy_table(seconds: float, rounds: int, heap: str) -> None:
-    """One table, every cell both contenders interleaved, in this process
-    (a child that ``HEAPS[heap]`` configured)."""
+def measure_cells(seconds: float, rounds: int) -> dict[str, Any]:
+    """Every cell, both contenders interleaved, in this process (a child that
+    one of HEAPS configured): vLLM's and ptrres's median us and page faults
+    per call; the versions; the load average before and after."""
     import numpy as np
     import vllm
     from vllm.v1.simple_kv_offload import cuda_mem_ops
 
     import ptrres
     import ptrres.vllm as plugin
-    from ptrres.bench import compare, geometric_mean
+    from ptrres.bench import compare
 
     vllm_copy = cuda_mem_ops.copy_blocks
     cuda_mem_ops._batch_memcpy = (lambda *args: 0, 1)  # the driver: a no-op
     assert plugin.patch(), "ptrres.vllm did not patch vLLM"
     patched = cuda_mem_ops.copy_blocks
-    malloc, how = HEAPS[heap]
-    if heap == "warm heap":
-        print(f"vLLM {vllm.__version__}, ptrres {ptrres.__version__}\n")
-    print(
-        f"{heap.capitalize()}: {how} "
-        f"(`{' '.join(f'{k}={v}' for k, v in malloc.items())}`); the median of "
-        f"{rounds} interleaved rounds per cell; load average {load()}:\n"
-    )
-    print(
-        "| layout | layers | blocks | call | descriptors | vLLM us | ptrres us "
-        "| speedup | page faults vLLM / ptrres |"
-    )
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    report: dict[str, Any] = {
+        "versions": f"vLLM {vllm.__version__}, ptrres {ptrres.__version__}",
+        "load": [load()],
+        "cells": [],
+    }
     rng = np.random.default_rng(27)
-    speedups: list[float] = []
-    one_block: list[float] = []
     for name, block_bytes in layouts():
         gpu = caches(block_bytes, NUM_GPU_BLOCKS, 0x7F00_0000_0000)
         cpu = caches(block_bytes, NUM_CPU_BLOCKS, 0x3F00_0000_0000)
@@ -228,37 +221,90 @@ def copy_table(seconds: float, rounds: int, heap: str) -> None:
                 "ptrres": lambda: patched(src, dst, params),  # noqa: B023
             }
             timing = compare(calls, seconds=seconds, rounds=rounds)
-            speedup = timing["vllm"].seconds / timing["ptrres"].seconds
-            speedups.append(speedup)
-            if blocks == 1:
-                one_block.append(speedup)
-            faults = " / ".join(f"{page_faults(fn):.0f}" for fn in calls.values())
-            print(
-                f"| {name} | {len(block_bytes)} | {blocks} | {call} | {descriptors} "
-                f"| {timing['vllm'].seconds * 1e6:.1f} "
-                f"| {timing['ptrres'].seconds * 1e6:.1f} | {speedup:.1f}x "
-                f"| {faults} |",
-                flush=True,
-            )
+            cell = {
+                "layout": name,
+                "layers": len(block_bytes),
+                "blocks": blocks,
+                "call": call,
+                "descriptors": descriptors,
+                **{f"{k} us": t.seconds * 1e6 for k, t in timing.items()},
+                **{f"{k} faults": page_faults(fn) for k, fn in calls.items()},
+            }
+            report["cells"].append(cell)
+            print(cell, file=sys.stderr, flush=True)  # progress
     plugin.unpatch()
-    print(
-        f"\n{heap}: geometric mean {geometric_mean(speedups):.1f}x (target >= 3x), "
-        f"lowest {min(speedups):.1f}x; at one block (the disk backend's calls) "
-        f"lowest {min(one_block):.1f}x (target: never slower, > 1x); load "
-        f"average {load()}\n"
-    )
+    report["load"].append(load())
+    return report
 
 
-def heap_child(heap: str, argv: list[str]) -> None:
-    """One table, from a child started with its heap's malloc settings."""
-    sys.stdout.flush()
-    done = subprocess.run(
-        [sys.executable, __file__, "--heap", heap, *argv],
-        env={**os.environ, **HEAPS[heap][0]},
-        check=False,
-    )
-    if done.returncode:
-        raise SystemExit(f"the {heap} child exited with {done.returncode}")
+def heap_child(heap: str, argv: list[str]) -> dict[str, Any]:
+    """measure_cells() in a child started with its heap's malloc settings."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cells.json")
+        done = subprocess.run(
+            [sys.executable, __file__, "--heap", heap, "--json", path, *argv],
+            env={**os.environ, **HEAPS[heap][0]},
+            stdout=subprocess.DEVNULL,
+            check=False,
+        )
+        if done.returncode:
+            raise SystemExit(f"the {heap} child exited with {done.returncode}")
+        with open(path) as file:
+            result: dict[str, Any] = json.load(file)
+            return result
+
+
+def copy_tables(seconds: float, rounds: int, repeats: int, quick: bool) -> None:
+    """Both heaps' tables: ``repeats`` children of each, alternating; per
+    cell the median over them of each contender's median and of the
+    speedups, with each child's speedup beside it."""
+    from ptrres.bench import geometric_mean
+
+    argv = ["--copy-rounds", str(rounds), *(["--quick"] if quick else [])]
+    runs: dict[str, list[dict[str, Any]]] = {heap: [] for heap in HEAPS}
+    for _ in range(repeats):
+        for heap in HEAPS:
+            runs[heap].append(heap_child(heap, argv))
+    print(f"{runs['warm heap'][0]['versions']}\n")
+    for heap, (malloc, how) in HEAPS.items():
+        loads = "; ".join(" to ".join(run["load"]) for run in runs[heap])
+        print(
+            f"{heap.capitalize()}: {how} "
+            f"(`{' '.join(f'{k}={v}' for k, v in malloc.items())}`). Per cell "
+            f"the median over {repeats} processes (each the median of {rounds} "
+            f"interleaved rounds), each process's speedup beside; load "
+            f"averages {loads}:\n"
+        )
+        print(
+            "| layout | layers | blocks | call | descriptors | vLLM us | ptrres us "
+            "| speedup | each process | page faults vLLM / ptrres |"
+        )
+        print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+        speedups: list[float] = []
+        one_block: list[float] = []
+        for cells in zip(*(run["cells"] for run in runs[heap]), strict=True):
+            cell = cells[0]
+            each = [c["vllm us"] / c["ptrres us"] for c in cells]
+            speedup = statistics.median(each)
+            speedups.append(speedup)
+            if cell["blocks"] == 1:
+                one_block.append(speedup)
+
+            def median(key: str, cells: tuple[dict[str, Any], ...] = cells) -> float:
+                return float(statistics.median(c[key] for c in cells))
+
+            print(
+                f"| {cell['layout']} | {cell['layers']} | {cell['blocks']} "
+                f"| {cell['call']} | {cell['descriptors']} "
+                f"| {median('vllm us'):.1f} | {median('ptrres us'):.1f} "
+                f"| {speedup:.1f}x | {' / '.join(f'{x:.1f}' for x in each)} "
+                f"| {median('vllm faults'):.0f} / {median('ptrres faults'):.0f} |"
+            )
+        print(
+            f"\n{heap}: geometric mean {geometric_mean(speedups):.1f}x (target >= "
+            f"3x), lowest {min(speedups):.1f}x; at one block (the disk backend's "
+            f"calls) lowest {min(one_block):.1f}x (target: never slower, > 1x)\n"
+        )
 
 
 # A fresh interpreter: vllm.plugins imported, then load_general_plugins()
@@ -365,21 +411,28 @@ def main() -> None:
         help="interleaved rounds per cell of the copy tables (their median)",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="processes per heap for the copy tables (the median over them)",
+    )
+    parser.add_argument(
         "--plugin-cost", action="store_true", help="only the plugin's cost"
     )
-    # The child that prints one heap's table.
+    # The child that measures one heap's cells, into a JSON file.
     parser.add_argument("--heap", choices=HEAPS, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 9)
     copy_rounds = args.copy_rounds or (5 if args.quick else 15)
+    repeats = args.repeats or (1 if args.quick else 3)
     seconds = 0.1 if args.quick else 0.6
     if args.heap:
-        copy_table(seconds, copy_rounds, args.heap)
+        with open(args.json, "w") as file:
+            json.dump(measure_cells(seconds, copy_rounds), file)
         return
     if not args.plugin_cost:
-        argv = ["--copy-rounds", str(copy_rounds), *(["--quick"] if args.quick else [])]
-        for heap in HEAPS:
-            heap_child(heap, argv)
+        copy_tables(seconds, copy_rounds, repeats, args.quick)
     plugin_cost(rounds)
 
 
