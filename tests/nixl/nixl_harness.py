@@ -15,6 +15,11 @@ them, drives its agent (``get_new_notifs``), since no progress thread runs.
 A transfer is checked against ``ptrres.reference``: the reference's own plan
 of the same ids, executed on copies of both sides, must leave every byte of
 every buffer (guard zones included) as NIXL left the real ones.
+
+For engines of different TP (SPEC 15), serve_ranks() holds one agent per
+engine rank in a process, each rank's caches built from the head oracle
+(tests/head_oracle.py): RankDesign and RankCaches. Child and serve_commands
+are the Pipe machinery both kinds of process share.
 """
 
 from __future__ import annotations
@@ -31,16 +36,16 @@ import multiprocessing
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any
 
+import head_oracle
 import numpy as np
 import numpy.typing as npt
-import torch
 
 import ptrres
 import ptrres.nixl
@@ -79,14 +84,11 @@ IDLE_POLL = 0.001
 # Bytes before and after the tensors of each buffer: a copy outside a tensor
 # changes them, and no reference copy does.
 GUARD = 64
-# The element types of the caches' tensors.
+# The element types of the caches' tensors. torch is imported where a design
+# asks for it: a peer process of numpy caches starts without it (NIXL does
+# not import it either), seconds sooner.
 NUMPY_DTYPES = {"uint8": np.uint8, "float16": np.float16, "float32": np.float32}
-TORCH_DTYPES = {
-    "uint8": torch.uint8,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+TORCH_DTYPES = ("uint8", "bfloat16", "float16", "float32")
 # NIXL's transfer operations: READ moves the peer's blocks into this
 # process's, WRITE this process's into the peer's.
 OPS = ("READ", "WRITE")
@@ -212,6 +214,7 @@ class Caches:
             spans = [shape.num_blocks * shape.row_stride for shape in shapes]
             nbytes = GUARD + sum(spans) + GUARD
             if design.library == "torch":
+                torch = importlib.import_module("torch")
                 owner: Any = torch.empty(nbytes, dtype=torch.uint8)
                 buffer = owner.numpy()
             else:
@@ -224,7 +227,8 @@ class Caches:
                 rows = rows.reshape(shape.num_blocks, shape.row_stride)
                 rows = rows[:, : shape.row_bytes]
                 if design.library == "torch":
-                    self.tensors[t] = rows.view(TORCH_DTYPES[shape.dtype])
+                    assert shape.dtype in TORCH_DTYPES, shape.dtype
+                    self.tensors[t] = rows.view(getattr(torch, shape.dtype))
                 else:
                     self.tensors[t] = rows.view(NUMPY_DTYPES[shape.dtype])
                 start += span
@@ -280,6 +284,24 @@ class Caches:
         twin.restore(self.snapshot())
         return twin
 
+    def rows(self, t: int) -> npt.NDArray[np.uint8]:
+        """Tensor ``t``'s rows as bytes, ``[num_blocks, row_bytes]``: a view
+        of its buffer (the padding after each row left out)."""
+        for b, tensor_indices in enumerate(self.design.buffers):
+            if t in tensor_indices:
+                shapes = [self.design.tensors[i] for i in tensor_indices]
+                position = tensor_indices.index(t)
+                start = GUARD + sum(
+                    shape.num_blocks * shape.row_stride for shape in shapes[:position]
+                )
+                shape = shapes[position]
+                span = shape.num_blocks * shape.row_stride
+                rows = self.buffers[b][start : start + span]
+                return rows.reshape(shape.num_blocks, shape.row_stride)[
+                    :, : shape.row_bytes
+                ]
+        raise ValueError(f"tensor {t} is in no buffer")
+
 
 def peer_numbers(table: ptrres.PointerTable) -> tuple[tuple[tuple[Any, ...], ...], ...]:
     """What a handshake carries of a table: PeerLayout.of()'s refs, as plain
@@ -316,14 +338,23 @@ def assert_same_bytes(
 def wait_for(agent: Any, handle: Any) -> None:
     """Post a transfer and wait until NIXL says DONE: fail on ERR, or after
     TIMEOUT seconds."""
-    state = agent.transfer(handle)
+    wait_for_all([(agent, handle)])
+
+
+def wait_for_all(transfers: Sequence[tuple[Any, Any]]) -> None:
+    """Post transfers, each (agent, handle), all before waiting on any, and
+    wait until NIXL says DONE of each: fail on ERR, or after TIMEOUT
+    seconds."""
+    states = [agent.transfer(handle) for agent, handle in transfers]
     deadline = time.monotonic() + TIMEOUT
-    while state != "DONE":
-        assert state == "PROC", f"the NIXL transfer failed: {state}"
+    while any(state != "DONE" for state in states):
+        for k, ((agent, handle), state) in enumerate(zip(transfers, states)):
+            assert state in ("PROC", "DONE"), f"NIXL transfer {k} failed: {state}"
+            if state == "PROC":
+                states[k] = agent.check_xfer_state(handle)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the NIXL transfer is not done after {TIMEOUT} s")
+            raise TimeoutError(f"the NIXL transfers are not done after {TIMEOUT} s")
         time.sleep(0.0002)  # the peer (or the backend's threads) need the core
-        state = agent.check_xfer_state(handle)
 
 
 @dataclass(frozen=True)
@@ -414,18 +445,12 @@ class PeerProcess:
     def __init__(self, designs: dict[str, tuple[CacheDesign, CacheDesign]]) -> None:
         self.pairs: dict[str, CachePair] = {}
         self._registrations: list[ptrres.nixl.Registration] = []
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
         peer_designs = {key: peer for key, (_, peer) in designs.items()}
-        self._process = context.Process(
-            target=serve, args=(child_conn, peer_designs), daemon=True
-        )
-        self._process.start()
-        child_conn.close()
+        self._child = Child(serve, peer_designs)
         self.agent: Any = None
         try:
             self.agent = new_agent("local", "UCX")
-            metadata, numbers = self._reply(START_TIMEOUT)
+            metadata, numbers = self._child.reply(START_TIMEOUT)
             self.peer_name: str = self.agent.add_remote_agent(metadata)
             for key, (local_design, peer_design) in designs.items():
                 self.pairs[key] = self._pair(local_design, peer_design, numbers[key])
@@ -454,34 +479,15 @@ class PeerProcess:
             self.agent.prep_xfer_dlist(self.peer_name, *remote_rows),
         )
 
-    def _reply(self, timeout: float = TIMEOUT) -> Any:
-        """The peer's answer to the last command, within ``timeout`` seconds."""
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"the peer process did not answer in {timeout} s")
-        try:
-            status, answer = self._conn.recv()
-        except EOFError:
-            self._process.join(TIMEOUT)
-            raise RuntimeError(
-                f"the peer process ended (exit code {self._process.exitcode})"
-            ) from None
-        if status != "ok":
-            raise RuntimeError(f"the peer process failed:\n{answer}")
-        return answer
-
-    def _ask(self, *command: Any) -> Any:
-        self._conn.send(command)
-        return self._reply()
-
     def peer_bytes(self, key: str) -> list[bytes]:
         """The peer's buffers' bytes, guard zones included."""
-        answer: list[bytes] = self._ask("bytes", key)
+        answer: list[bytes] = self._child.ask("bytes", key)
         return answer
 
     def reset(self, key: str) -> CachePair:
         """Both sides' caches, and the reference's copies, back to their seeded
         bytes (checked: the mirror is the peer's caches)."""
-        self._ask("fill", key)
+        self._child.ask("fill", key)
         pair = self.pairs[key]
         for caches in (pair.local, pair.local_copy, pair.mirror):
             caches.fill()
@@ -563,19 +569,7 @@ class PeerProcess:
     def close(self) -> None:
         """Stop the peer (killed if it does not stop in time), release the
         prepared lists, deregister this process's caches."""
-        try:
-            if self._process.is_alive():
-                self._conn.send(("stop",))
-                if self._conn.poll(TIMEOUT):
-                    self._conn.recv()
-        except (OSError, EOFError):
-            pass  # the peer is gone already
-        finally:
-            self._process.join(TIMEOUT)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join(TIMEOUT)
-            self._conn.close()
+        self._child.close()
         for pair in self.pairs.values():
             pair.local_list.release()
             pair.remote_list.release()
@@ -617,9 +611,100 @@ def serve(conn: Connection, designs: dict[str, CacheDesign]) -> None:
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
+    serve_commands(
+        conn,
+        [agent],
+        {
+            "bytes": lambda key: caches[key].snapshot(),
+            "fill": lambda key: caches[key].fill(),
+        },
+        registrations,
+    )
+
+
+class Child:
+    """A process started with multiprocessing's "spawn", running
+    ``target(conn, *args)``, which answers commands over a Pipe
+    (serve_commands): this side sends a command and waits for its answer."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=run_child, args=(target, child_conn, *args), daemon=True
+        )
+        self._process.start()
+        child_conn.close()
+
+    def reply(self, timeout: float = TIMEOUT) -> Any:
+        """The child's answer to the last command, within ``timeout`` seconds."""
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"the peer process did not answer in {timeout} s")
+        try:
+            status, answer = self._conn.recv()
+        except EOFError:
+            self._process.join(TIMEOUT)
+            raise RuntimeError(
+                f"the peer process ended (exit code {self._process.exitcode})"
+            ) from None
+        if status != "ok":
+            raise RuntimeError(f"the peer process failed:\n{answer}")
+        return answer
+
+    def ask(self, *command: Any) -> Any:
+        """Send a command, and return the child's answer."""
+        self._conn.send(command)
+        return self.reply()
+
+    def close(self) -> None:
+        """Stop the child (killed if it does not stop in time)."""
+        try:
+            if self._process.is_alive():
+                self._conn.send(("stop",))
+                if self._conn.poll(TIMEOUT):
+                    self._conn.recv()
+        except (OSError, EOFError):
+            pass  # the child is gone already
+        finally:
+            self._process.join(TIMEOUT)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(TIMEOUT)
+            self._conn.close()
+
+
+def run_child(target: Callable[..., None], conn: Connection, *args: Any) -> None:
+    """A Child's process: ``target(conn, *args)``, then the process ends at
+    once (exit code 0, or 1 where the target raised), its output flushed.
+    The interpreter's own finalization would take 3 s or more here (after
+    torch, numba and NIXL), and does nothing a test needs: the target has
+    deregistered its memory and answered its last command."""
+    code = 1
+    try:
+        target(conn, *args)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve_commands(
+    conn: Connection,
+    agents: Sequence[Any],
+    commands: dict[str, Callable[..., Any]],
+    registrations: Sequence[ptrres.nixl.Registration],
+) -> None:
+    """A child's loop: commands from the Pipe, each answered ("ok", what
+    ``commands[name](*args)`` returns) or ("error", traceback); between them,
+    every agent driven (``get_new_notifs``: no progress thread runs).
+    ("stop",) deregisters the registrations, answers and returns."""
     while True:
         if not conn.poll(IDLE_POLL):
-            agent.get_new_notifs()
+            for agent in agents:
+                agent.get_new_notifs()
             continue
         try:
             command, *args = conn.recv()
@@ -631,12 +716,185 @@ def serve(conn: Connection, designs: dict[str, CacheDesign]) -> None:
                     registration.deregister()
                 conn.send(("ok", None))
                 break
-            if command == "bytes":
-                conn.send(("ok", caches[args[0]].snapshot()))
-            elif command == "fill":
-                caches[args[0]].fill()
-                conn.send(("ok", None))
-            else:
+            if command not in commands:
                 raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", commands[command](*args)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
+
+
+# --- ranks of engines at different TP (SPEC 15) ----------------------------------
+#
+# Each rank of an engine holds its shard of every layer's KV heads, as the head
+# oracle (tests/head_oracle.py) models them: a prefill rank's pages are its
+# shard of its engine's logical KV, a decode rank's pages start as other random
+# bytes. One ref per layer, one tensor per ref.
+
+
+@dataclass(frozen=True)
+class HeadModel:
+    """A model's KV, as the head oracle sees it: every layer has
+    ``num_kv_heads`` heads of ``tokens`` tokens; ``head_bytes[g][d]`` is the
+    bytes of one head's token in layer d of group g. MLA: the latent page,
+    whole on every rank (the oracle's one "head")."""
+
+    num_kv_heads: int
+    tokens: int
+    head_bytes: tuple[tuple[int, ...], ...]
+    mla: bool
+    seed: int
+
+    def heads(self, rank: int, tp_size: int) -> list[int]:
+        """The heads a rank's pages hold (the oracle's shard)."""
+        return head_oracle.shard(rank, tp_size, self.num_kv_heads, self.mla)
+
+    def logical(self, group: int, layer: int, num_blocks: int) -> npt.NDArray[np.uint8]:
+        """Layer ``layer`` of group ``group`` of an engine of ``num_blocks``
+        blocks in that group: ``[blocks, heads, tokens, head_bytes]``."""
+        seed = self.seed * 10_000 + group * 100 + layer
+        head_bytes = self.head_bytes[group][layer]
+        return head_oracle.logical_kv(
+            num_blocks, self.num_kv_heads, self.tokens, head_bytes, seed
+        )
+
+
+@dataclass(frozen=True)
+class RankDesign:
+    """One rank of an engine: its model, TP and rank, its blocks per group,
+    and whether its pages hold the logical KV (a prefill rank) or other
+    random bytes (a decode rank, until it receives blocks).
+
+    Group 0's tensors are back to back in one buffer, rows unpadded (merged
+    copies may run from one layer into the next); every other group's
+    tensors are each in a buffer of its own, rows padded by ``pad`` bytes.
+    """
+
+    model: HeadModel
+    tp_size: int
+    tp_rank: int
+    group_blocks: tuple[int, ...]
+    pad: int
+    seed: int
+    library: str
+    prefill: bool
+
+    @property
+    def heads(self) -> list[int]:
+        return self.model.heads(self.tp_rank, self.tp_size)
+
+    def page(self, group: int, layer: int) -> int:
+        """The bytes of one page of a layer: this rank's heads of a block."""
+        head_bytes = self.model.head_bytes[group][layer]
+        return len(self.heads) * self.model.tokens * head_bytes
+
+    def refs(self) -> list[tuple[int, int, int]]:
+        """(tensor index, group, layer) of every ref, group by group."""
+        pairs = [
+            (g, d)
+            for g, layers in enumerate(self.model.head_bytes)
+            for d in range(len(layers))
+        ]
+        return [(t, g, d) for t, (g, d) in enumerate(pairs)]
+
+    def cache_design(self) -> CacheDesign:
+        tensors: list[TensorDesign] = []
+        buffers: list[tuple[int, ...]] = []
+        groups: list[list[tuple[int, int]]] = [[] for _ in self.model.head_bytes]
+        for t, g, d in self.refs():
+            page = self.page(g, d)
+            pad = self.pad if g else 0
+            dtype = ("uint8", "float16")[t % 2]
+            tensors.append(TensorDesign(self.group_blocks[g], page, page + pad, dtype))
+            groups[g].append((t, page))
+            if g == 0 and buffers:
+                buffers[0] += (t,)
+            else:
+                buffers.append((t,))
+        return CacheDesign(
+            self.library,
+            tuple(tensors),
+            tuple(buffers),
+            tuple(tuple(refs) for refs in groups),
+            self.seed,
+        )
+
+
+class RankCaches(Caches):
+    """A rank's KV caches: random bytes everywhere, and in a prefill rank's
+    pages its shard of its engine's logical KV (the head oracle's
+    rank_pages)."""
+
+    def __init__(self, rank: RankDesign) -> None:
+        self.rank = rank
+        super().__init__(rank.cache_design())
+
+    def fill(self) -> None:
+        super().fill()
+        if self.rank.prefill:
+            for t, g, d in self.rank.refs():
+                logical = self.rank.model.logical(g, d, self.rank.group_blocks[g])
+                self.rows(t)[:] = head_oracle.rank_pages(logical, self.rank.heads)
+
+    def nixl_metadata(self) -> dict[str, Any]:
+        """The fields of vLLM's NixlAgentMetadata (0.33) a handshake would
+        carry of these caches, but the agent's: one region per ref (layer),
+        host memory, HND pages."""
+        refs = [(ref, g) for g, group in enumerate(self.ref_numbers) for ref in group]
+        return {
+            "kv_caches_base_addr": [ref[0] for ref, _ in refs],
+            "device_id": 0,
+            "num_blocks": self.rank.group_blocks[0],
+            "block_lens": [ref[2] for ref, _ in refs],
+            "block_strides": [ref[1] for ref, _ in refs],
+            "kv_cache_layout": "HND",
+            "block_size": self.rank.model.tokens,
+            "ssm_sizes": (0, 0),
+            "attn_backend_name": "FLASH_ATTN",
+            "physical_blocks_per_logical_kv_block": 1,
+            "region_num_blocks": [ref[3] for ref, _ in refs],
+            "region_group_ids": [g for _, g in refs],
+            "region_mem_types": ["DRAM"] * len(refs),
+        }
+
+
+def serve_ranks(conn: Connection, ranks: dict[str, dict[str, RankDesign]]) -> None:
+    """A process of engine ranks: per agent key, one UCX agent holding the
+    caches of its ranks (per case key), registered. It first sends, per agent
+    key, the agent's metadata and, per case key, what a handshake carries
+    (peer_numbers, and RankCaches.nixl_metadata); then serves ("bytes",
+    agent, case) and ("fill", agent, case), driving its agents between
+    commands (serve_commands)."""
+    try:
+        agents = {key: new_agent("prefill", "UCX") for key in ranks}
+        caches = {
+            (key, case): RankCaches(design)
+            for key, designs in ranks.items()
+            for case, design in designs.items()
+        }
+        registrations = [
+            ptrres.nixl.register(agents[key], c.table) for (key, _), c in caches.items()
+        ]
+        handshakes = {
+            key: (
+                agent.get_agent_metadata(),
+                {
+                    case: (peer_numbers(c.table), c.nixl_metadata())
+                    for (owner, case), c in caches.items()
+                    if owner == key
+                },
+            )
+            for key, agent in agents.items()
+        }
+        conn.send(("ok", handshakes))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    serve_commands(
+        conn,
+        list(agents.values()),
+        {
+            "bytes": lambda key, case: caches[key, case].snapshot(),
+            "fill": lambda key, case: caches[key, case].fill(),
+        },
+        registrations,
+    )
