@@ -421,6 +421,16 @@ def read_handle(
     plan = table.plan_peer_transfer(
         spec, peer, flat(remote_ids), heads=heads, coalesce=mode == "coalesced"
     )
+    if mode == "plain":
+        # One copy per id per ref (group, then ref, then id), of the slice's
+        # heads of that layer.
+        head_bytes = engines.models[case_key(name, layout)].head_bytes
+        assert plan.sizes.tolist() == [
+            heads.num_heads * TOKENS * layer
+            for group, layers in zip(local_ids, head_bytes)
+            for layer in layers
+            for _ in group
+        ]
     if mode == "coalesced":
         plain = table.plan_peer_transfer(spec, peer, flat(remote_ids), heads=heads)
         assert plan.num_bytes == plain.num_bytes == int(plain.sizes.sum())
