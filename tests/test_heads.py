@@ -696,3 +696,213 @@ def test_every_decode_rank_ends_with_its_shard_of_the_prefill_kv(
                 np.testing.assert_array_equal(
                     buffer, want, err_msg=f"{mode}: decode rank {r}, allocation {b}"
                 )
+
+
+# Bad input -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "pattern"),
+    [
+        ((0, 3, 2, 4), {}, ptrres.LayoutError, "TP 3 here and TP 2 at the peer"),
+        ((0, 4, 6, 12), {}, ptrres.LayoutError, "TP 4 here and TP 6"),
+        ((0, 2, 2, 3), {}, ptrres.LayoutError, "3 KV heads do not split over TP 2"),
+        ((0, 2, 4, 6), {}, ptrres.LayoutError, r"6 KV heads .* TP 4 \(the peer\)"),
+        ((0, 6, 3, 4), {}, ptrres.LayoutError, r"4 KV heads .* TP 6 \(this engine\)"),
+        ((2, 2, 2, 4), {}, ptrres.LayoutError, "tp_rank 2 is not a rank of TP 2"),
+        ((-1, 2, 2, 4), {}, ptrres.LayoutError, "tp_rank -1 is not a rank of TP 2"),
+        ((0, 0, 2, 4), {}, ptrres.LayoutError, "tp_size 0, .* at least 1"),
+        ((0, 2, -2, 4), {}, ptrres.LayoutError, "peer_tp_size -2 .* at least 1"),
+        ((0, 2, 2, 0), {}, ptrres.LayoutError, "num_kv_heads 0 must each"),
+        ((0.0, 2, 2, 4), {}, ptrres.InputTypeError, "tp_rank must be an integer"),
+        ((0, "2", 2, 4), {}, ptrres.InputTypeError, "tp_size must be an integer"),
+        ((0, 2, True, 4), {}, ptrres.InputTypeError, "peer_tp_size must be an int"),
+        ((0, 2, 2, None), {}, ptrres.InputTypeError, "num_kv_heads must be an int"),
+        ((0, 2, 2, 4), {"mla": 1}, ptrres.InputTypeError, "mla must be True or"),
+        ((0, 2, 2, 4), {"mla": "yes"}, ptrres.InputTypeError, "mla must be True or"),
+        ((0, 2, 2, 4), {"kv_layout": "hnd"}, ptrres.InputTypeError, "kv_layout"),
+        ((0, 2, 2, 4), {"kv_layout": None}, ptrres.InputTypeError, "kv_layout"),
+        (
+            (0, 2, 2, 4),
+            {"kv_layout": np.array(["HND", "NHD"])},
+            ptrres.InputTypeError,
+            "kv_layout",
+        ),
+        ((0, 2, 1, 4), {"kv_layout": "NHD"}, ptrres.LayoutError, "NHD pages"),
+    ],
+)
+def test_impossible_mappings_name_their_numbers(
+    args: tuple[Any, ...], kwargs: dict[str, Any], error: type, pattern: str
+) -> None:
+    """Each impossible combination: ptrres's error naming the numbers, and
+    the reference's error of the same class."""
+    with pytest.raises(error, match=pattern):
+        ptrres.tp_mapping(*args, **kwargs)
+    with pytest.raises(error):
+        reference.tp_mapping(*args, **kwargs)
+
+
+def test_numpy_ints_and_mla_of_any_heads_are_mappings() -> None:
+    """numpy ints are ints (the mapping holds Python ints); MLA's latent
+    pages need no heads that split."""
+    mapping = ptrres.tp_mapping(np.int64(1), np.int32(2), np.uint8(4), np.int16(8))
+    assert mapping == ptrres.tp_mapping(1, 2, 4, 8)
+    assert mapping == reference.tp_mapping(np.int64(1), 2, np.uint8(4), 8)
+    assert all(type(v) is int for s in mapping.slices for v in s)
+    mla = ptrres.tp_mapping(3, 4, 2, 3, mla=True)
+    assert mla == reference.tp_mapping(3, 4, 2, 3, mla=True)
+    assert [tuple(s) for s in mla.slices] == [(1, 0, 0, 1, 1, 1)]
+    with pytest.raises(ptrres.LayoutError, match="peer rank 0 holds none"):
+        mla.slice_of(0)
+
+
+EXTREMES = [-1, 0, 2**31, 2**63 - 1, 2**63, 2**100, -(2**100)]
+NOT_INTS = [None, True, 1.0, float("nan"), "3", b"3", [3], np.array([3]), object()]
+
+
+@given(
+    st.integers(0, 3),
+    st.one_of(
+        st.integers(-3, 20), st.sampled_from(EXTREMES), st.sampled_from(NOT_INTS)
+    ),
+    st.tuples(*[st.sampled_from([0, 1, 2, 4, 8, 3, 6])] * 4),
+    st.sampled_from([False, True, None, 0]),
+    st.sampled_from(["HND", "NHD", "nhd", None, 0]),
+)
+@example(2, 2**62, (0, 1, 4, 4), False, "HND")  # a peer TP of 2**62, 4 heads
+@example(1, 2**63, (0, 4, 1, 4), True, "NHD")
+def test_any_input_to_tp_mapping_is_the_references_answer_or_its_error(
+    position: int, hostile: Any, numbers: tuple[int, ...], mla: Any, layout: Any
+) -> None:
+    """One argument of anything, the others small: the reference's mapping,
+    or a PtrresError of the reference's class (it walks every head, so it
+    is asked only where the heads are few)."""
+    args = list(numbers)
+    args[position] = hostile
+    # The reference walks heads and ranks one by one: asked of small ones.
+    small = not isinstance(hostile, int) or abs(hostile) <= 2**12
+    try:
+        mapping = ptrres.tp_mapping(*args, mla=mla, kv_layout=layout)
+    except ptrres.PtrresError as error:
+        if small:
+            with pytest.raises(type(error)):
+                reference.tp_mapping(*args, mla=mla, kv_layout=layout)
+        return
+    if small:
+        assert mapping == reference.tp_mapping(*args, mla=mla, kv_layout=layout)
+        assert_mapping_holds(
+            mapping, mapping.tp_rank, mapping.tp_size, mapping.peer_tp_size,
+            mapping.num_kv_heads, mapping.mla,
+        )  # fmt: skip
+    else:  # one slice per peer rank that gives heads, each within its pages
+        assert 1 <= len(mapping.slices) <= max(numbers)
+        for s in mapping.slices:
+            assert s.local_head + s.num_heads <= s.local_heads
+            assert s.remote_head + s.num_heads <= s.remote_heads
+
+
+BAD_SLICES = [
+    (ptrres.HeadSlice(0, 5, 0, 1, 2, 4), ptrres.LayoutError, "heads 5 to 5 are not"),
+    (ptrres.HeadSlice(0, 0, 3, 2, 2, 4), ptrres.LayoutError, "heads 3 to 4 are not"),
+    (ptrres.HeadSlice(0, -1, 0, 1, 2, 4), ptrres.LayoutError, "heads -1 to -1"),
+    (ptrres.HeadSlice(0, 0, 0, 0, 2, 4), ptrres.LayoutError, "at least one head"),
+    (ptrres.HeadSlice(-1, 0, 0, 1, 2, 4), ptrres.LayoutError, "at least one head"),
+    (ptrres.HeadSlice(0, 0, 0, 1, 0, 4), ptrres.LayoutError, "page of 0 heads"),
+    (ptrres.HeadSlice(0, 0, 0, 1.0, 2, 4), ptrres.InputTypeError, "num_heads must"),  # type: ignore[arg-type]
+    (ptrres.HeadSlice(0, 0, 0, 1, 2, True), ptrres.InputTypeError, "remote_heads"),
+    ((0, 0, 0, 1, 2, 4), ptrres.InputTypeError, "must be a HeadSlice"),
+    (np.array([0, 0, 0, 1, 2, 4]), ptrres.InputTypeError, "must be a HeadSlice"),
+    ("0", ptrres.InputTypeError, "must be a HeadSlice"),
+    (ptrres.tp_mapping(0, 2, 1, 4), ptrres.InputTypeError, "got TPMapping"),
+]
+
+
+@pytest.mark.parametrize(("heads", "error", "pattern"), BAD_SLICES)
+@pytest.mark.parametrize("primed", [None, "slice", "whole"])
+def test_a_bad_slice_is_refused_before_anything(
+    heads: Any, error: type, pattern: str, primed: str | None
+) -> None:
+    """A slice made by hand that would address past a page, or of no heads,
+    or not a HeadSlice at all: refused by plans (after a plan of another
+    slice, or of none, too), prepared lists and the reference; nothing
+    written into out=, and the table keeps working."""
+    local, table, peer = sliced_engines()
+    good = ptrres.tp_mapping(1, 2, 1, 4).slices[0]
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2, 3, 4]), [2, 2])
+    if primed is not None:  # a pair cached for another slice
+        whole = ptrres.HeadSlice(0, 0, 0, 2, 2, 2)
+        other_peer = peer if primed == "slice" else sliced_engines(2, 2)[2]
+        other = good if primed == "slice" else whole
+        table.plan_peer_transfer(spec, other_peer, [1, 2, 3, 4], heads=other)
+    out = tuple(np.full(8, 7, np.uint64) for _ in FIELDS)
+    with pytest.raises(error, match=pattern):
+        table.plan_peer_transfer(spec, peer, [5, 6, 7, 8], heads=heads, out=out)
+    assert all((buffer == 7).all() for buffer in out)
+    for call in (
+        lambda: ptrres.nixl.prepped_pair(table, peer, heads),
+        lambda: ptrres.nixl.prepped_rows(table, heads=heads),
+        lambda: ptrres.nixl.prepped_rows(peer, heads=heads),
+    ):
+        with pytest.raises(error, match=pattern):
+            call()
+    with pytest.raises(error):
+        reference.plan_peer_transfer(
+            spec, local, peer.groups, [5, 6, 7, 8], heads=heads
+        )
+    plan = table.plan_peer_transfer(spec, peer, [5, 6, 7, 8], heads=good, out=out)
+    assert plan.sizes.tolist() == [16] * 8
+
+
+@pytest.mark.parametrize(
+    ("local_heads", "remote_heads", "local_page", "remote_page", "pattern"),
+    [
+        # 16 B a head here, 12 B at the peer.
+        (2, 4, 32, 48, r"a head is 16 B in this rank's page \(32 B, 2 heads\) but "
+         r"12 B in peer rank 0's \(48 B, 4 heads\): its page must be 64 B"),
+        (2, 4, 33, 64, "this rank's page of 33 B does not split into its 2 heads"),
+        (2, 4, 32, 66, "peer rank 0's page of 66 B does not split into its 4 heads"),
+        (1, 1, 32, 64, "a head is 32 B in this rank's page"),
+    ],
+)  # fmt: skip
+def test_a_peer_page_of_other_bytes_per_head_is_refused(
+    local_heads: int, remote_heads: int, local_page: int, remote_page: int, pattern: str
+) -> None:
+    """A peer rank whose page is not the right multiple of this rank's: a
+    LayoutError naming the group, the ref and the bytes, nothing written,
+    and the table still working."""
+    heads = ptrres.HeadSlice(0, 0, 0, 1, local_heads, remote_heads)
+    pages = [32 * local_heads, 32 * local_heads, local_page]
+    tensors = byte_tensors(6, pages, False, 0)
+    local = ptrres.CanonicalKVCaches(
+        [ptrres.CanonicalKVCacheTensor(t, t.stride(0)) for t in tensors],
+        [[ptrres.CanonicalKVCacheRef(0, pages[0])],
+         [ptrres.CanonicalKVCacheRef(1, pages[1]),
+          ptrres.CanonicalKVCacheRef(2, pages[2])]],
+    )  # fmt: skip
+    table = ptrres.PointerTable(local)
+
+    def peer_of(last_page: int) -> ptrres.PeerLayout:
+        """The peer's numbers (plans read no memory): pages of 32 B a head
+        but the last ref's, 8 blocks each, 4 KiB apart."""
+        page = 32 * remote_heads
+        refs = [
+            (2**20 + 2**12 * i, 2**9, p, 8)
+            for i, p in enumerate((page, page, last_page))
+        ]
+        return ptrres.PeerLayout([refs[:1], refs[1:]])
+
+    peer = peer_of(remote_page)
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2]), [1, 1])
+    out = tuple(np.full(3, 7, np.uint64) for _ in FIELDS)
+    with pytest.raises(ptrres.LayoutError, match=f"group 1, ref 1: {pattern}"):
+        table.plan_peer_transfer(spec, peer, [3, 4], heads=heads, out=out)
+    assert all((buffer == 7).all() for buffer in out)
+    with pytest.raises(ptrres.LayoutError, match=pattern):
+        ptrres.nixl.prepped_pair(table, peer, heads)
+    with pytest.raises(ptrres.LayoutError):
+        reference.plan_peer_transfer(spec, local, peer.groups, [3, 4], heads=heads)
+    if local_page % local_heads == 0:  # the page the peer should have had
+        right = peer_of(local_page // local_heads * remote_heads)
+        plan = table.plan_peer_transfer(spec, right, [3, 4], heads=heads, out=out)
+        assert plan.sizes.tolist() == [32, 32, local_page // local_heads]
+        assert plan.remote.tolist()[2] == 2**20 + 2 * 2**12 + 4 * 2**9
