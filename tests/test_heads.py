@@ -15,6 +15,7 @@ layout. tests/nixl moves the same slices with real NIXL agents.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import hypothesis.strategies as st
@@ -906,3 +907,208 @@ def test_a_peer_page_of_other_bytes_per_head_is_refused(
         plan = table.plan_peer_transfer(spec, right, [3, 4], heads=heads, out=out)
         assert plan.sizes.tolist() == [32, 32, local_page // local_heads]
         assert plan.remote.tolist()[2] == 2**20 + 2 * 2**12 + 4 * 2**9
+
+
+def test_nhd_pages_are_sliced_whole_or_not_at_all() -> None:
+    """A peer whose pages are NHD: a slice of some of its heads is refused
+    by plans and prepared lists (saying what works); a whole-page slice,
+    or none, plans as on HND pages."""
+    _, table, hnd_peer = sliced_engines(2, 4)
+    nhd = ptrres.PeerLayout(hnd_peer.groups, kv_layout="NHD")
+    assert (nhd.kv_layout, hnd_peer.kv_layout) == ("NHD", None)
+    part = ptrres.tp_mapping(1, 2, 1, 4).slices[0]
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2, 3, 4]), [2, 2])
+    for call in (
+        lambda: table.plan_peer_transfer(spec, nhd, [5, 6, 7, 8], heads=part),
+        lambda: ptrres.nixl.prepped_pair(table, nhd, part),
+        lambda: ptrres.nixl.prepped_rows(nhd, heads=part),
+    ):
+        with pytest.raises(ptrres.LayoutError, match=r"NHD: the 2 of 4 heads .* HND"):
+            call()
+    sliced = table.plan_peer_transfer(spec, hnd_peer, [5, 6, 7, 8], heads=part)
+    assert sliced.sizes.tolist() == [16] * 8
+    # Whole pages: the same plan with or without the slice, NHD or not.
+    _, same_table, same_peer = sliced_engines(4, 4)
+    nhd_same = ptrres.PeerLayout(same_peer.groups, kv_layout="NHD")
+    (whole,) = ptrres.tp_mapping(0, 2, 2, 8, kv_layout="NHD").slices
+    assert whole.whole_page
+    plain = same_table.plan_peer_transfer(spec, same_peer, [5, 6, 7, 8])
+    for peer, heads in ((nhd_same, whole), (nhd_same, None), (same_peer, whole)):
+        assert_same_plan(
+            same_table.plan_peer_transfer(spec, peer, [5, 6, 7, 8], heads=heads), plain
+        )
+    layouts: tuple[Any, Any] = (same_table, same_peer)
+    for rows, layout in zip(
+        ptrres.nixl.prepped_pair(same_table, nhd_same, whole), layouts
+    ):
+        np.testing.assert_array_equal(
+            rows.xfer_list, ptrres.nixl.prepped_rows(layout).xfer_list
+        )
+    bad_layouts: list[Any] = ["hnd", 0, np.array(["HND"])]
+    for bad in bad_layouts:
+        with pytest.raises(ptrres.InputTypeError, match="kv_layout must be"):
+            ptrres.PeerLayout(hnd_peer.groups, kv_layout=bad)
+
+
+# vLLM's NIXL handshake ------------------------------------------------------
+
+
+def handshake(peer: ptrres.PeerLayout, **fields: Any) -> SimpleNamespace:
+    """A NixlAgentMetadata of vLLM 0.33's fields (tests/vllm builds the real
+    one) describing a peer layout's refs, one region per ref, group ids in
+    region_group_ids; ``fields`` replace some."""
+    refs = [ref for group in peer.groups for ref in group]
+    values: dict[str, Any] = {
+        "engine_id": "prefill",
+        "agent_metadata": b"",
+        "kv_caches_base_addr": [r.base_ptr for r in refs],
+        "device_id": 3,
+        "num_blocks": 99,
+        "block_lens": [r.page_size_bytes for r in refs],
+        "block_strides": [r.row_stride_bytes for r in refs],
+        "kv_cache_layout": "HND",
+        "block_size": 16,
+        "ssm_sizes": (0, 0),
+        "attn_backend_name": "FLASH_ATTN",
+        "physical_blocks_per_logical_kv_block": 1,
+        "region_num_blocks": [r.num_blocks for r in refs],
+        "region_group_ids": [g for g, group in enumerate(peer.groups) for _ in group],
+        "region_names": None,
+        "region_mem_types": ["DRAM"] * len(refs),
+        "dcp_size": 1,
+        "pcp_size": 1,
+        "ple_block_len": None,
+        "region_members": [],
+        "packed_member_layouts": {},
+    }
+    values.update(fields)
+    return SimpleNamespace(**values)
+
+
+def test_a_handshake_is_the_peer_layout_it_describes() -> None:
+    """The regions of a handshake, group by group, plan as the layout they
+    came from: sliced and whole, the same descriptors."""
+    _, table, peer = sliced_engines(2, 4)
+    from_handshake = ptrres.PeerLayout.from_nixl_metadata(handshake(peer))
+    assert from_handshake.kv_layout == "HND"
+    host = [[r._replace(allocation=None) for r in group] for group in peer.groups]
+    assert [list(group) for group in from_handshake.groups] == host
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2, 3, 4]), [2, 2])
+    for heads in ptrres.tp_mapping(1, 2, 1, 4).slices:
+        assert_same_plan(
+            table.plan_peer_transfer(spec, from_handshake, [5, 6, 7, 8], heads=heads),
+            table.plan_peer_transfer(spec, peer, [5, 6, 7, 8], heads=heads),
+        )
+    # VRAM regions are the peer's device; without region_mem_types, all are.
+    vram = ptrres.PeerLayout.from_nixl_metadata(
+        handshake(peer, region_mem_types=["VRAM", "DRAM", "VRAM", "DRAM"])
+    )
+    assert [r.device for g in vram.groups for r in g] == [3, -1, 3, -1]
+    default = ptrres.PeerLayout.from_nixl_metadata(
+        handshake(peer, region_mem_types=None, device_id=np.int64(5))
+    )
+    assert {r.device for g in default.groups for r in g} == {5}
+    # No region_num_blocks: every region has num_blocks.
+    counts = ptrres.PeerLayout.from_nixl_metadata(
+        handshake(peer, region_num_blocks=None)
+    )
+    assert {r.num_blocks for g in counts.groups for r in g} == {99}
+    nhd = ptrres.PeerLayout.from_nixl_metadata(handshake(peer, kv_cache_layout="NHD"))
+    assert nhd.kv_layout == "NHD"
+    with pytest.raises(ptrres.LayoutError, match="NHD"):
+        table.plan_peer_transfer(
+            spec, nhd, [5, 6, 7, 8], heads=ptrres.tp_mapping(1, 2, 1, 4).slices[0]
+        )
+    assert (
+        ptrres.PeerLayout.from_nixl_metadata(
+            handshake(peer, kv_cache_layout="LBHNC")
+        ).kv_layout
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("group_ids", "groups"),
+    [
+        # Hybrid: each region its group's, region 2 shared by every group.
+        ([0, 1, -1, 1], [[0, 2], [1, 2, 3]]),
+        ([1, -1, 1, 0], [[1, 3], [0, 1, 2]]),
+        # A group without regions of its own keeps the shared ones.
+        ([0, 2, -1, 2], [[0, 2], [2], [1, 2, 3]]),
+        # One group id (or none): one group of every region, as vLLM.
+        ([0, 0, 0, 0], [[0, 1, 2, 3]]),
+        ([1, 1, 1, 1], [[0, 1, 2, 3]]),
+        ([0, -1, 0, -1], [[0, 1, 2, 3]]),
+        ([-1, -1, -1, -1], [[0, 1, 2, 3]]),
+        (None, [[0, 1, 2, 3]]),
+    ],
+)
+def test_region_group_ids_make_the_groups(
+    group_ids: list[int] | None, groups: list[list[int]]
+) -> None:
+    _, _, peer = sliced_engines()
+    regions = [ref for group in peer.groups for ref in group]
+    layout = ptrres.PeerLayout.from_nixl_metadata(
+        handshake(peer, region_group_ids=group_ids, region_num_blocks=[4, 5, 6, 7])
+    )
+    assert [[r.num_blocks - 4 for r in group] for group in layout.groups] == groups
+    assert [[r.base_ptr for r in g] for g in layout.groups] == [
+        [regions[i].base_ptr for i in group] for group in groups
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "pattern"),
+    [
+        ({"ssm_sizes": (4096, 128)}, ptrres.LayoutError, r"ssm_sizes \(Mamba"),
+        ({"dcp_size": 2}, ptrres.LayoutError, "dcp_size 2"),
+        ({"pcp_size": 4}, ptrres.LayoutError, "pcp_size 4"),
+        (
+            {"packed_member_layouts": {"layer.0": (0, 64)}},
+            ptrres.LayoutError,
+            "packed_member_layouts",
+        ),
+        ({"dcp_size": 2, "pcp_size": 2}, ptrres.LayoutError, "dcp_size 2, pcp_size 2"),
+        (
+            {"block_lens": [32, 32, 32]},
+            ptrres.LayoutError,
+            "4 regions .* but 3 block_lens",
+        ),
+        ({"block_strides": [36] * 5}, ptrres.LayoutError, "but 5 block_strides"),
+        ({"region_num_blocks": [3]}, ptrres.LayoutError, "but 1 region_num_blocks"),
+        ({"region_group_ids": [0, 1]}, ptrres.LayoutError, "but 2 region_group_ids"),
+        ({"region_mem_types": ["DRAM"] * 3}, ptrres.LayoutError, "3 region_mem_types"),
+        ({"region_mem_types": ["DRAM", "FILE"] * 2}, ptrres.LayoutError, "'FILE'"),
+        (
+            {"region_group_ids": [0, -2, 1, 1]},
+            ptrres.LayoutError,
+            "every group \\(-1\\)",
+        ),
+        (
+            {"region_group_ids": [0, 1.5, 1, 1]},
+            ptrres.InputTypeError,
+            "region_group_ids",
+        ),
+        ({"region_num_blocks": 7}, ptrres.InputTypeError, "region_num_blocks"),
+        ({"device_id": "cuda:0"}, ptrres.InputTypeError, "device_id"),
+        ({"block_lens": [64, 32, 32, 32]}, ptrres.LayoutError, "larger than the row"),
+        ({"kv_caches_base_addr": [-8] * 4}, ptrres.LayoutError, "none may be negative"),
+    ],
+)
+def test_a_handshake_of_what_ptrres_cannot_read_is_refused(
+    fields: dict[str, Any], error: type, pattern: str
+) -> None:
+    """Mamba state, context parallelism, packed regions, fields of other
+    lengths, unknown memory or group ids: a clear error; then a good
+    handshake still reads."""
+    _, table, peer = sliced_engines()
+    with pytest.raises(error, match=pattern):
+        ptrres.PeerLayout.from_nixl_metadata(handshake(peer, **fields))
+    missing = handshake(peer)
+    del missing.kv_caches_base_addr
+    with pytest.raises(ptrres.InputTypeError, match="kv_caches_base_addr"):
+        ptrres.PeerLayout.from_nixl_metadata(missing)
+    layout = ptrres.PeerLayout.from_nixl_metadata(handshake(peer))
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2]), [1, 1])
+    heads = ptrres.tp_mapping(0, 2, 1, 4).slices[0]
+    assert table.plan_peer_transfer(spec, layout, [3, 4], heads=heads).num_bytes == 64
