@@ -14,6 +14,7 @@ and Numba's internals change in minor releases.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -54,6 +55,40 @@ def kernel(*signatures: str) -> Callable[[F], F]:
         return dispatcher
 
     return decorate
+
+
+def argument_types(signature: str) -> tuple[Any, ...]:
+    """The argument types of a declared signature, as Numba types a call's.
+
+    ``dispatcher.compile()`` is given these, never the string: Numba keys its
+    on-disk cache by the signature exactly as compile() receives it, and a
+    call that compiles on first use passes its arguments' types. Compiled from
+    the string, the same code would get a second cache entry, which a process
+    that first calls the kernel never finds (and the other way round).
+
+    Signatures name Numba scalar types and C-contiguous arrays of them
+    (``int64``, ``uint64[::1]``, ``int64[:, ::1]``); anything else raises.
+    """
+    parameters = re.fullmatch(r"\s*\w+\s*\((.*)\)\s*", signature)
+    if parameters is None:
+        raise ValueError(f"not a kernel signature: {signature!r}")
+    types = []
+    for argument in _ARGUMENT.finditer(parameters.group(1)):
+        scalar = getattr(numba.types, argument["scalar"])
+        dims = argument["dims"]
+        if dims is None:
+            types.append(scalar)
+            continue
+        steps = [dim.replace(" ", "") for dim in dims.split(",")]
+        if steps[-1] != "::1" or any(step != ":" for step in steps[:-1]):
+            raise ValueError(f"not a C-contiguous array: {argument[0]!r}")
+        spec = (slice(None),) * (len(steps) - 1) + (slice(None, None, 1),)
+        types.append(scalar[spec if len(spec) > 1 else spec[0]])
+    return tuple(types)
+
+
+# One argument of a signature: a scalar type, or an array of one.
+_ARGUMENT = re.compile(r"(?P<scalar>\w+)(?:\[(?P<dims>[^\]]*)\])?")
 
 
 def inline_helper(function: F) -> F:

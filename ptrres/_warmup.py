@@ -36,7 +36,7 @@ from typing import Any
 # importing the package registers them all (resolve, plan, coalesce,
 # canonical, files and copy_blocks), which `import ptrres` no longer does.
 from . import _config, _kernels  # noqa: F401
-from ._config import KERNELS
+from ._config import KERNELS, argument_types
 
 try:
     import fcntl
@@ -146,14 +146,14 @@ _closed: set[int] = set()
 _lock = threading.Lock()
 
 
-def _counts(index: int) -> tuple[dict[str, int], dict[str, int]]:
-    """A kernel's cache hits and misses so far, by signature."""
+def _counts(index: int) -> tuple[dict[Any, int], dict[Any, int]]:
+    """A kernel's cache hits and misses so far, by argument types."""
     stats = KERNELS[index][0].stats
     return dict(stats.cache_hits), dict(stats.cache_misses)
 
 
 def _make_ready(
-    index: int, signature: str, before: tuple[dict[str, int], dict[str, int]] | None
+    index: int, signature: str, before: tuple[dict[Any, int], dict[Any, int]] | None
 ) -> str:
     """Compile or load one signature of a kernel; say which it was since
     ``before``: its _counts() when this warmup began (None: it was closed),
@@ -163,15 +163,18 @@ def _make_ready(
         return "interpreted"
     if before is None:
         return "ready"
-    dispatcher.compile(signature)  # loads, or compiles, unless it is in memory
+    # Numba counts hits and misses by the signature as compile() was given
+    # it: the argument types, as a call that compiles on first use gives them.
+    key = argument_types(signature)
+    dispatcher.compile(key)  # loads, or compiles, unless it is in memory
     hits, misses = _counts(index)
     how = "ready"
-    if hits.get(signature, 0) > before[0].get(signature, 0):
+    if hits.get(key, 0) > before[0].get(key, 0):
         how = "loaded"  # now, or by _fill_cache in this warmup
-    elif misses.get(signature, 0) > before[1].get(signature, 0):
+    elif misses.get(key, 0) > before[1].get(key, 0):
         how = "compiled"
-    before[0][signature] = hits.get(signature, 0)
-    before[1][signature] = misses.get(signature, 0)
+    before[0][key] = hits.get(key, 0)
+    before[1][key] = misses.get(key, 0)
     return how
 
 
@@ -280,7 +283,7 @@ def _compile_if_free(index: int) -> bool:
     with _kernel_lock(dispatcher, wait=False) as held:
         if held:
             for signature in signatures:
-                dispatcher.compile(signature)
+                dispatcher.compile(argument_types(signature))
     return bool(sum(dispatcher.stats.cache_misses.values()) > misses)
 
 

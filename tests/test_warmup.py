@@ -15,19 +15,23 @@ from typing import Any
 import numba
 import numpy as np
 import pytest
-import torch
-from conftest import JIT_DISABLED, random_tensor
+from conftest import JIT_DISABLED
 
 import ptrres
 import ptrres.nixl
 from ptrres import _config, _warmup
-from ptrres._config import KERNELS
+from ptrres._config import KERNELS, argument_types
 
 
-def exercise_every_kernel(id_dtype: type, dtype: torch.dtype = torch.int8) -> None:
-    """Resolve, plan (both directions, merged or not), coalesce, from pointers."""
-    tensor = random_tensor(8, 4, 1, dtype, 0)
-    page = 4 * dtype.itemsize
+def exercise_every_kernel(id_dtype: type, tensor: Any = None) -> None:
+    """Resolve, plan (both directions, merged or not), coalesce, from pointers.
+
+    ``tensor`` holds the device blocks: 8 rows of 4 elements, of any dtype, a
+    numpy array or a torch tensor (default: int8 numpy rows, padded by one).
+    """
+    if tensor is None:
+        tensor = np.arange(8 * 5, dtype=np.int8).reshape(8, 5)[:, :4]
+    page = 4 * tensor.itemsize
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, 0)],
         [[ptrres.CanonicalKVCacheRef(0, page)], []],
@@ -77,9 +81,10 @@ def exercise_every_kernel(id_dtype: type, dtype: torch.dtype = torch.int8) -> No
     # vLLM's simple offload path: copy_blocks' descriptors, merged or not.
     from ptrres.vllm._simple import CopyPlan, block_ids_array
 
+    base = tensor.ctypes.data if isinstance(tensor, np.ndarray) else tensor.data_ptr()
     params = SimpleNamespace(
-        src_bases=np.array([tensor.data_ptr()], np.uint64),
-        dst_bases=np.array([tensor.data_ptr()], np.uint64),
+        src_bases=np.array([base], np.uint64),
+        dst_bases=np.array([base], np.uint64),
         bpb=np.array([page], np.uint64),
         attrs=ctypes.c_uint(0),
         attrs_idx=ctypes.c_size_t(0),
@@ -124,9 +129,10 @@ def test_warmup_reports_every_kernel_signature() -> None:
 def test_no_compilation_after_warmup_whatever_the_dtypes() -> None:
     ptrres.warmup()
     before = {id(d): len(d.overloads) for d, _ in KERNELS}
-    for dtype in (torch.int8, torch.bfloat16, torch.float16, torch.float32):
+    for dtype in (np.int8, np.float16, np.float32, np.uint64):
         for id_dtype in (np.int32, np.int64, np.uint8, np.int16, np.uint64):
-            exercise_every_kernel(id_dtype, dtype)
+            tensor = np.zeros((8, 5), dtype)[:, :4]
+            exercise_every_kernel(id_dtype, tensor)
     assert {id(d): len(d.overloads) for d, _ in KERNELS} == before
     # The kernels are closed: a dtype nobody converted fails loudly.
     from ptrres import _kernels
@@ -138,43 +144,117 @@ def test_no_compilation_after_warmup_whatever_the_dtypes() -> None:
         )  # fmt: skip
 
 
-LAZY = """
+@pytest.mark.needs_torch
+@pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
+def test_no_compilation_after_warmup_with_torch_tensors() -> None:
+    """Torch tensors of every dtype, bfloat16 included, read as numpy's do."""
+    import torch
+    from conftest import random_tensor
+
+    ptrres.warmup()
+    before = {id(d): len(d.overloads) for d, _ in KERNELS}
+    for dtype in (torch.int8, torch.bfloat16, torch.float16, torch.float32):
+        for id_dtype in (np.int32, np.int64, np.uint64):
+            exercise_every_kernel(id_dtype, random_tensor(8, 4, 1, dtype, 0))
+    assert {id(d): len(d.overloads) for d, _ in KERNELS} == before
+
+
+# In a fresh interpreter: the steps of argv[1] in turn ("use": every kernel
+# called, compiling on first use what is not in memory; "warmup"), then
+# what was compiled, loaded, and made ready.
+STEPS = """
 import json, sys
 import numpy as np
 sys.path.insert(0, "tests")
-from test_warmup import exercise_every_kernel
+import ptrres
 from ptrres._config import KERNELS
-for id_dtype in (np.int32, np.int64):
-    exercise_every_kernel(id_dtype)
-mismatches = []
-for dispatcher, signatures in KERNELS:
-    overloads = dispatcher.overloads.items()
-    lazy = {args: str(cres.signature.return_type) for args, cres in overloads}
-    for signature in signatures:  # a declared signature compiled lazily adds none
-        dispatcher.compile(signature)
-    if len(dispatcher.overloads) != len(lazy) or set(lazy.values()) != {"int64"}:
-        mismatches.append(f"{dispatcher.__name__}: {sorted(map(str, lazy))}")
-print(json.dumps(mismatches))
+from test_warmup import exercise_every_kernel
+reports = []
+for step in sys.argv[1].split(","):
+    if step == "warmup":
+        report = ptrres.warmup()
+        hows = ("loaded", "compiled", "ready")
+        reports.append({how: report.count(how) for how in hows})
+    else:
+        for id_dtype in (np.int32, np.int64):
+            exercise_every_kernel(id_dtype)
+print(json.dumps({
+    "warmups": reports,
+    "misses": sum(sum(d.stats.cache_misses.values()) for d, _ in KERNELS),
+    "hits": sum(sum(d.stats.cache_hits.values()) for d, _ in KERNELS),
+    "overloads": sum(len(d.overloads) for d, _ in KERNELS),
+    "return_types": sorted({
+        str(cres.signature.return_type)
+        for d, _ in KERNELS for cres in d.overloads.values()
+    }),
+}))
 """
+SIGNATURES = sum(len(signatures) for _, signatures in KERNELS)
 
 
-@pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
-def test_compiling_lazily_gives_the_declared_signatures(tmp_path) -> None:
-    """Without warmup(), each call compiles exactly a declared signature.
-
-    Run in a fresh process with an empty Numba cache, so that nothing is
-    loaded that an explicit signature compiled.
-    """
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+def run_steps(steps: str, cache: str) -> dict[str, Any]:
+    """STEPS in a fresh interpreter caching into ``cache``: what it printed."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache)
     result = subprocess.run(
-        [sys.executable, "-c", LAZY],
+        [sys.executable, "-c", STEPS, steps],
         env=env,
         capture_output=True,
         text=True,
-        check=True,
         cwd=os.path.dirname(os.path.dirname(__file__)),
     )
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def cache_entries(cache: str) -> Counter[str]:
+    """Numba's cached code per kernel: ``<module>.<kernel>-<line>.pyXY.<n>.nbc``
+    files, under the cache's one directory per source directory."""
+    return Counter(
+        name.split(".")[1].rpartition("-")[0]
+        for _, _, files in os.walk(cache)
+        for name in files
+        if name.endswith(".nbc")
+    )
+
+
+@pytest.mark.skipif(JIT_DISABLED, reason="nothing is compiled without the JIT")
+@pytest.mark.parametrize(
+    ("steps", "first_warmups"),
+    [
+        ("use,warmup", [{"loaded": 0, "compiled": 0, "ready": SIGNATURES}]),
+        ("warmup,use", [{"loaded": 0, "compiled": SIGNATURES, "ready": 0}]),
+        ("use", []),
+    ],
+)
+def test_whatever_compiled_first_a_fresh_process_loads(
+    tmp_path, steps: str, first_warmups: list[dict[str, int]]
+) -> None:
+    """Kernels compiled on first use, or by warmup(), before or after each
+    other, are one cache entry per signature, which the next process loads
+    whether it calls warmup() first or uses the kernels straight away: it
+    compiles nothing. So each call compiles exactly a declared signature,
+    and returns int64 as declared. (A call compiles for its arguments'
+    types; warmup() once compiled the declared strings, which Numba cached
+    apart.) Each process starts fresh, on the cache the first one filled."""
+    cache = str(tmp_path)
+    first = run_steps(steps, cache)
+    assert first["warmups"] == first_warmups
+    assert first["overloads"] == SIGNATURES
+    assert first["return_types"] == ["int64"]
+    # On an empty cache warmup() may fill it in workers, then load their work.
+    assert first["misses"] + first["hits"] == SIGNATURES
+    expected = {d.__name__: len(signatures) for d, signatures in KERNELS}
+    assert cache_entries(cache) == expected
+    warm = {"loaded": SIGNATURES, "compiled": 0, "ready": 0}
+    assert run_steps("warmup,use", cache) == {
+        "warmups": [warm], "misses": 0, "hits": SIGNATURES,
+        "overloads": SIGNATURES, "return_types": ["int64"],
+    }  # fmt: skip
+    assert run_steps("use", cache) == {
+        "warmups": [], "misses": 0, "hits": SIGNATURES,
+        "overloads": SIGNATURES, "return_types": ["int64"],
+    }  # fmt: skip
+    assert cache_entries(cache) == expected
 
 
 class FakeDispatcher:
@@ -183,15 +263,16 @@ class FakeDispatcher:
     __name__ = "fake_kernel"
 
     def __init__(self, cached: set[str], cache_path: str | None = None) -> None:
-        self.cached = cached
-        self.overloads: dict[str, object] = {}
+        # Numba keys its cache by argument types: warmup() compiles those.
+        self.cached = {argument_types(signature) for signature in cached}
+        self.overloads: dict[tuple[Any, ...], object] = {}
         self.stats = SimpleNamespace(
             cache_path=cache_path, cache_hits=Counter(), cache_misses=Counter()
         )
         self.py_func = exercise_every_kernel  # any function of a real module
         self.closed = False
 
-    def compile(self, signature: str) -> None:
+    def compile(self, signature: tuple[Any, ...]) -> None:
         if signature not in self.overloads:
             self.overloads[signature] = object()
             if signature in self.cached:
@@ -287,7 +368,7 @@ def test_a_kernel_being_compiled_elsewhere_is_not_compiled_here(tmp_path, monkey
         assert not _warmup._compile_if_free(1)
     assert fresh.overloads == {}
     assert _warmup._compile_if_free(1)
-    assert list(fresh.overloads) == ["int64(int64)"]
+    assert list(fresh.overloads) == [argument_types("int64(int64)")]
 
 
 def test_a_kernel_seems_cached_when_its_index_is_newer_than_its_source(tmp_path):
