@@ -1,19 +1,30 @@
-"""Shared strategies and helpers: small KV-cache layouts built from torch tensors."""
+"""Shared strategies and helpers: small KV-cache layouts built from torch tensors.
+
+``--without torch`` (CI's Python matrix, .ci/python-matrix) leaves out, by
+choice, the tests that need torch: the files, folders and tests NEEDS names,
+and tests marked ``needs_torch``; the layouts drawn here are then numpy
+arrays. ``--without nixl`` and ``--without vllm`` do the same for NIXL and
+vLLM. Without the option, a missing torch or NIXL fails the run.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 
 import ptrres
+
+if TYPE_CHECKING:
+    import torch
 
 # CI's profile, and the default: derandomized (seeded by each test's own
 # code, and no example database), so that every run draws the same examples.
@@ -40,7 +51,91 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 
-DTYPES = [torch.int8, torch.bfloat16, torch.float16, torch.float32]
+# What each `--without NAME` leaves out: files and folders of tests/ that
+# import it (torch: at the top, or through a harness), every test in them;
+# elsewhere, tests marked needs_<NAME>, tests that take a fixture of
+# FIXTURES_NEEDING, and the tests named here by id ("file::test[param]").
+NEEDS: dict[str, tuple[str, ...]] = {
+    "torch": (
+        "nixl", "vllm", "test_canonical.py", "test_cuda.py", "test_duck_typing.py",
+        "test_empty.py", "test_errors.py", "test_execute.py", "test_hostile.py",
+        "test_memory.py", "test_peer.py", "test_plans.py", "test_posix.py",
+        "test_resolve.py", "test_runs.py", "test_threads.py",
+    ),
+    "nixl": ("nixl", "test_readme.py::test_docs_examples_run[docs/nixl.md]"),
+    "vllm": ("vllm",),
+}  # fmt: skip
+FIXTURES_NEEDING = {"vllm": {"vllm_env"}}  # test_cli's checks of an installed vLLM
+TESTS = Path(__file__).resolve().parent
+# What this run leaves out (--without), set when pytest starts.
+WITHOUT: set[str] = set()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--without",
+        action="append",
+        default=[],
+        choices=sorted(NEEDS),
+        help="leave out the tests that need this (repeatable): CI's runs on "
+        "Pythons that torch, NIXL or vLLM are not installed for",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    WITHOUT.update(config.getoption("without"))
+    # A run that is not told to go without torch needs it, as it always has
+    # (tests/nixl fail by themselves where NIXL is missing).
+    if "torch" not in WITHOUT and importlib.util.find_spec("torch") is None:
+        raise pytest.UsageError(
+            "torch is not installed: install the test extra (pip install -e "
+            "'.[dev]'), or pass --without torch to leave out the tests that need it"
+        )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave out, by choice, the files and folders --without names."""
+    for name in WITHOUT:
+        if any(collection_path == TESTS / entry for entry in NEEDS[name]):
+            return True
+    return None
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [
+        f"left out by --without {name}: {', '.join(NEEDS[name])}"
+        for name in sorted(WITHOUT)
+    ]
+
+
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Deselect, for each --without NAME, the tests that need it (NEEDS)."""
+
+    def needs(item: pytest.Item, name: str) -> bool:
+        test_id = item.nodeid.removeprefix("tests/")
+        fixtures = set(getattr(item, "fixturenames", ()))
+        return (
+            item.get_closest_marker(f"needs_{name}") is not None
+            or bool(fixtures & FIXTURES_NEEDING.get(name, set()))
+            or test_id in NEEDS[name]
+        )
+
+    left_out = [item for item in items if any(needs(item, n) for n in WITHOUT)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
+
+
+def tensor_dtypes() -> list[Any]:
+    """The dtypes of drawn tensors: torch's, or numpy's without torch (a
+    2-byte integer stands for bfloat16)."""
+    if "torch" in WITHOUT:
+        return [np.int8, np.uint16, np.float16, np.float32]
+    import torch
+
+    return [torch.int8, torch.bfloat16, torch.float16, torch.float32]
 
 
 @dataclass
@@ -67,9 +162,25 @@ class Case:
 
 
 def random_tensor(
+    num_blocks: int, row_elements: int, pad_elements: int, dtype: Any, seed: int
+) -> Any:
+    """A (num_blocks, row_elements) tensor of random bytes, rows padded by pad:
+    a torch tensor, or a numpy array for a numpy dtype."""
+    if not isinstance(dtype, type | np.dtype):
+        return random_torch_tensor(num_blocks, row_elements, pad_elements, dtype, seed)
+    itemsize = np.dtype(dtype).itemsize
+    rows = np.random.default_rng(seed).integers(
+        0, 256, (num_blocks, (row_elements + pad_elements) * itemsize), np.uint8
+    )
+    return rows.view(dtype)[:, :row_elements]
+
+
+def random_torch_tensor(
     num_blocks: int, row_elements: int, pad_elements: int, dtype: torch.dtype, seed: int
 ) -> torch.Tensor:
-    """A (num_blocks, row_elements) tensor of random bytes, rows padded by pad."""
+    """random_tensor() of a torch dtype."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     full = torch.randint(
         0,
@@ -87,7 +198,7 @@ def layouts(draw: Any, max_groups: int = 4, max_tensors: int = 4) -> Any:
     n_tensors = draw(st.integers(1, max_tensors))
     tensors = []
     for t in range(n_tensors):
-        dtype = draw(st.sampled_from(DTYPES))
+        dtype = draw(st.sampled_from(tensor_dtypes()))
         tensor = random_tensor(
             num_blocks=draw(st.integers(1, 12)),
             row_elements=draw(st.integers(1, 16)),
@@ -95,16 +206,14 @@ def layouts(draw: Any, max_groups: int = 4, max_tensors: int = 4) -> Any:
             dtype=dtype,
             seed=t,
         )
-        tensors.append(
-            ptrres.CanonicalKVCacheTensor(tensor, tensor.stride(0) * dtype.itemsize)
-        )
+        tensors.append(ptrres.CanonicalKVCacheTensor(tensor, row_stride(tensor)))
     group_data_refs = []
     for _ in range(draw(st.integers(1, max_groups))):
         refs = []
         for _ in range(draw(st.integers(0, 4))):
             tensor_idx = draw(st.integers(0, n_tensors - 1))
             tensor = tensors[tensor_idx].tensor
-            row_bytes = tensor.shape[1] * tensor.element_size()
+            row_bytes = tensor.shape[1] * tensor.itemsize
             page = draw(st.integers(0, row_bytes))
             refs.append(ptrres.CanonicalKVCacheRef(tensor_idx, page))
         group_data_refs.append(refs)
@@ -158,16 +267,29 @@ def memory_bytes(ptr: int, size: int) -> bytes:
     return ctypes.string_at(ptr, size)
 
 
-def row_bytes(tensor: torch.Tensor, block: int) -> bytes:
-    """The bytes of one row (block) of a tensor, read through torch."""
-    return tensor[block].contiguous().view(torch.uint8).numpy().tobytes()
+def row_stride(tensor: Any) -> int:
+    """Bytes from one row of a torch tensor or numpy array to the next."""
+    if isinstance(tensor, np.ndarray):
+        return int(tensor.strides[0])
+    return int(tensor.stride(0) * tensor.itemsize)
+
+
+def row_bytes(tensor: Any, block: int) -> bytes:
+    """The bytes of one row (block) of a tensor, read through torch (or numpy)."""
+    if isinstance(tensor, np.ndarray):
+        return bytes(tensor[block].tobytes())
+    import torch
+
+    return bytes(tensor[block].contiguous().view(torch.uint8).numpy().tobytes())
 
 
 @pytest.fixture
 def llama_like() -> ptrres.CanonicalKVCaches:
-    """Two groups over four bf16 tensors of 10 blocks; group 1 shares tensor 2."""
+    """Two groups over four bf16 tensors of 10 blocks; group 1 shares tensor 2
+    (2-byte numpy arrays without torch)."""
+    bf16 = tensor_dtypes()[1]
     tensors = [
-        ptrres.CanonicalKVCacheTensor(random_tensor(10, 32, 0, torch.bfloat16, t), 64)
+        ptrres.CanonicalKVCacheTensor(random_tensor(10, 32, 0, bf16, t), 64)
         for t in range(4)
     ]
     return ptrres.CanonicalKVCaches(

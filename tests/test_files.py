@@ -397,10 +397,7 @@ def test_table_plan_checks_block_ids(llama_like: Any) -> None:
 
 
 def test_table_plan_file_too_large() -> None:
-    import torch
-    from conftest import random_tensor
-
-    tensor = random_tensor(4, 16, 0, torch.int8, 0)
+    tensor = np.zeros((4, 16), np.int8)
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, 16)],
         [[ptrres.CanonicalKVCacheRef(0, 16)] * 2],
