@@ -376,14 +376,19 @@ def pair_peer(
             f"table has {ref_counts}"
         )
     slices = []
+    # A slice's bytes by the pair of pages (the refs of a model share a few).
+    ranges: dict[tuple[int, int], tuple[int, int, int]] = {}
     for group, (local_refs, peer_refs) in enumerate(zip(ref_rows, peer.groups)):
         for d, (local, remote) in enumerate(zip(local_refs, peer_refs)):
             local_page, remote_page = local.page_size_bytes, remote.page_size_bytes
             if heads is not None:
-                try:
-                    slices.append(heads.byte_range(local_page, remote_page))
-                except LayoutError as error:
-                    raise LayoutError(f"group {group}, ref {d}: {error}") from None
+                pages = (local_page, remote_page)
+                if pages not in ranges:
+                    try:
+                        ranges[pages] = heads.byte_range(local_page, remote_page)
+                    except LayoutError as error:
+                        raise LayoutError(f"group {group}, ref {d}: {error}") from None
+                slices.append(ranges[pages])
             elif local_page != remote_page:
                 raise LayoutError(
                     f"group {group}, ref {d}: the local page is {local_page} B but "
