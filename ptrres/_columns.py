@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _kernels, _mappings, _peer
+from . import _kernels, _mappings, _peer_plan
 from ._args import SPEC_FIELDS, block_ids_arg, missing_attributes
 from ._errors import InputTypeError
 from ._geometry import (
@@ -69,7 +69,7 @@ class TableColumns:
         # The peer layouts and head slices last planned with, once checked
         # against this table, the latest first: a decode rank gathers from up
         # to PEER_PAIRS_KEPT source ranks in turn (read and assigned whole).
-        self._peers: tuple[_peer.PeerPair, ...] = ()
+        self._peers: tuple[_peer_plan.PeerPair, ...] = ()
         # Peer plans take no offloaded chunks: every group's block index is 0.
         self._zero_indices = (0,) * self.num_groups
 

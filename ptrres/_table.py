@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from . import _canonical, _files, _kernels, _peer, _plan
+from . import _canonical, _files, _kernels, _peer, _peer_plan, _plan
 from ._args import (
     PTRS_SIZES,
     SPEC_FIELDS,
@@ -305,11 +305,11 @@ class PointerTable(TableColumns):
         peers = self._peers
         pair = next((p for p in peers if p.matches(peer, heads)), None)
         if pair is None:
-            pair = _peer.pair_peer(
+            pair = _peer_plan.pair_peer(
                 peer, heads, self.ref_table, self._groups, self.group_data_ref_counts
             )
             self._peers = (pair, *peers[: PEER_PAIRS_KEPT - 1])
-        return _peer.plan_peer(
+        return _peer_plan.plan_peer(
             self.group_ref_start,
             pair,
             groups_array(self._group_arrays, counts.group_sizes, self._zero_indices),

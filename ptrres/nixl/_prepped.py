@@ -18,7 +18,8 @@ from .._errors import InputTypeError, LayoutError, OutBufferError
 from .._groups import check_groups
 from .._heads import NHD, HeadSlice, check_slice
 from .._kernels.common import BASE_PTR, NUM_BLOCKS, PAGE_SIZE, ROW_STRIDE
-from .._peer import PeerLayout, check_peer_layout, moved_refs, pair_peer
+from .._peer import PeerLayout
+from .._peer_plan import check_peer_layout, moved_refs, pair_peer
 from .._table import PointerTable
 from ._memory import DRAM, Memory, memory_of
 
