@@ -144,10 +144,13 @@ class PeerLayout:
         id: one group), ``device_id`` and ``region_mem_types`` ("DRAM":
         host; without them, the regions are VRAM of ``device_id``), and
         ``kv_cache_layout``. Refused (LayoutError): Mamba state
-        (``ssm_sizes``), context parallelism (``dcp_size``, ``pcp_size`` over
-        1) and packed regions (``packed_member_layouts``), whose pages are not
-        one block per row; fields of other lengths. Each region is its own
-        registration (allocation None), as vLLM registers them.
+        (``ssm_sizes``), PLE conv state (``ple_block_len``), context
+        parallelism (``dcp_size``, ``pcp_size`` over 1) and packed regions
+        (``packed_member_layouts``), whose pages are not one block per row;
+        fields of other lengths. Each region is its own registration
+        (allocation None), as vLLM registers them. A region's blocks are the
+        kernel's (physical) blocks: where ``physical_blocks_per_logical_kv_block``
+        is over 1, remote ids are physical ids, as vLLM expands them.
         """
         groups, kv_layout = nixl_metadata_groups(metadata)
         return cls(groups, kv_layout=kv_layout)
@@ -178,6 +181,8 @@ def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None
         f"dcp_size {dcp}": dcp != 1,
         f"pcp_size {pcp}": pcp != 1,
         "packed_member_layouts": bool(getattr(metadata, "packed_member_layouts", {})),
+        "ple_block_len (PLE conv state)": getattr(metadata, "ple_block_len", None)
+        is not None,
     }
     refused = [name for name, present in what.items() if present]
     if refused:

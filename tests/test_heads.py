@@ -1063,6 +1063,7 @@ def test_region_group_ids_make_the_groups(
         ({"ssm_sizes": (4096, 128)}, ptrres.LayoutError, r"ssm_sizes \(Mamba"),
         ({"dcp_size": 2}, ptrres.LayoutError, "dcp_size 2"),
         ({"pcp_size": 4}, ptrres.LayoutError, "pcp_size 4"),
+        ({"ple_block_len": 32}, ptrres.LayoutError, r"ple_block_len \(PLE"),
         (
             {"packed_member_layouts": {"layer.0": (0, 64)}},
             ptrres.LayoutError,
