@@ -355,6 +355,39 @@ def sliced_engines(
     return local, ptrres.PointerTable(local), peer
 
 
+def test_a_rank_gathering_from_many_peers_in_turn_plans_each_right() -> None:
+    """A table keeps the pairs of several peers and slices checked (a decode
+    rank gathers from up to 8 prefill ranks in turn): planning against ten
+    peers and their slices, round after round, in an order that returns to
+    each after others, gives each one's own plan, never another's."""
+    local, table, first = sliced_engines(4, 2)
+    # Five peers of the same refs at other addresses (numbers only: nothing
+    # is read through them).
+    peers = [
+        ptrres.PeerLayout(
+            [
+                [ref._replace(base_ptr=ref.base_ptr + k * 2**20) for ref in g]
+                for g in first.groups
+            ]
+        )
+        for k in range(5)
+    ]
+    slices = ptrres.tp_mapping(0, 1, 2, 4).slices  # two: heads 0-1, 2-3
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2, 5, 0]), [2, 2])
+    remote_ids = np.array([3, 4, 11, 7])
+    pairs = [(peer, heads) for peer in peers for heads in slices]
+    for order in (pairs, pairs[::-1], pairs[::3] + pairs[1::3] + pairs[2::3]):
+        for peer, heads in order:
+            expected = reference.plan_peer_transfer(
+                spec, local, peer.groups, remote_ids, heads=heads
+            )
+            actual = table.plan_peer_transfer(spec, peer, remote_ids, heads=heads)
+            for name in ("local", "remote", "sizes"):
+                np.testing.assert_array_equal(
+                    getattr(actual, name), getattr(expected, name)
+                )
+
+
 @pytest.mark.parametrize("side", ["local", "remote"])
 @pytest.mark.parametrize("group", [0, 1])
 def test_every_id_of_a_sliced_plan_is_checked_on_both_sides(
