@@ -60,7 +60,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
         "nixl", "vllm", "test_canonical.py", "test_cuda.py", "test_duck_typing.py",
         "test_empty.py", "test_errors.py", "test_execute.py", "test_hostile.py",
         "test_memory.py", "test_peer.py", "test_plans.py", "test_posix.py",
-        "test_resolve.py", "test_runs.py", "test_threads.py",
+        "test_runs.py", "test_threads.py",
     ),
     "nixl": ("nixl", "test_readme.py::test_docs_examples_run[docs/nixl.md]"),
     "vllm": ("vllm",),
@@ -272,6 +272,13 @@ def row_stride(tensor: Any) -> int:
     if isinstance(tensor, np.ndarray):
         return int(tensor.strides[0])
     return int(tensor.stride(0) * tensor.itemsize)
+
+
+def data_ptr(tensor: Any) -> int:
+    """Where a torch tensor's or numpy array's first element is."""
+    if isinstance(tensor, np.ndarray):
+        return int(tensor.ctypes.data)
+    return int(tensor.data_ptr())
 
 
 def row_bytes(tensor: Any, block: int) -> bytes:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
+import pytest
 from conftest import (
     Case,
     assert_same_pointers,
     cases,
+    data_ptr,
     layouts,
     memory_bytes,
     random_tensor,
@@ -78,15 +79,18 @@ def test_every_pointer_reads_back_its_row(case: Case) -> None:
             for block in ids:
                 ptr, size = int(device_ptrs.ptrs[op]), int(device_ptrs.sizes[op])
                 assert size == ref.page_size_bytes
-                assert ptr == tensor[int(block)].data_ptr()
+                assert ptr == data_ptr(tensor[int(block)])
                 assert memory_bytes(ptr, size) == row_bytes(tensor, int(block))[:size]
                 op += 1
         first_id += n
     assert op == len(device_ptrs.ptrs)
 
 
+@pytest.mark.needs_torch
 def test_padded_rows_of_every_dtype_read_back() -> None:
     """Rows narrower than their stride, in each dtype: a fixed, readable case."""
+    import torch
+
     tensors = [
         random_tensor(6, 10, 6, dtype, seed)
         for seed, dtype in enumerate(
@@ -131,6 +135,7 @@ def test_int32_and_int64_ids_resolve_alike(
     assert_same_pointers(table.resolve(spec), table.resolve(other))
 
 
+@pytest.mark.needs_torch  # data_ptr(): llama_like's torch tensors
 def test_worked_example(llama_like: ptrres.CanonicalKVCaches) -> None:
     """One case written out by hand: offsets are block * row stride."""
     spec = ptrres.GPULoadStoreSpec(
@@ -157,7 +162,10 @@ def test_worked_example(llama_like: ptrres.CanonicalKVCaches) -> None:
     ]
 
 
+@pytest.mark.needs_torch
 def test_empty_transfer_and_groups_without_refs() -> None:
+    import torch
+
     tensor = random_tensor(4, 8, 0, torch.int8, 0)
     kv_caches = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, 8)],
@@ -175,8 +183,11 @@ def test_empty_transfer_and_groups_without_refs() -> None:
     assert [i.group_idx for i in ptrres.iter_pointer_groups(device_ptrs, 2)] == [0, 1]
 
 
+@pytest.mark.needs_torch
 def test_group_size_arrays_are_memoised_and_bounded() -> None:
     """A table keeps the arrays of recent group sizes, at most 256 of them."""
+    import torch
+
     tensor = random_tensor(600, 8, 0, torch.int8, 0)
     kv_caches = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, 8)], [[ptrres.CanonicalKVCacheRef(0, 8)]]
