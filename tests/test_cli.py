@@ -310,7 +310,7 @@ def test_check_says_the_plugin_will_patch(vllm_env: Any) -> None:
     assert findings["PTRRES_VLLM_COALESCE"][1].startswith("unset: coalescing off")
     assert findings["PTRRES_VLLM_NIXL"] == (
         "ok",
-        "unset: vLLM's NIXL connector is patched (PTRRES_VLLM_NIXL=0 leaves it alone)",
+        "unset: on for vLLM's NIXL connector (PTRRES_VLLM_NIXL=0 leaves it alone)",
     )
     assert findings["numba"] == ("ok", numba.__version__)
     if JIT_DISABLED:

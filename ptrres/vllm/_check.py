@@ -254,11 +254,11 @@ def switch_findings() -> list[Finding]:
         Finding(
             "ok" if _state.nixl_requested() else "off",
             "PTRRES_VLLM_NIXL",
-            f"{'unset' if nixl is None else nixl}: vLLM's NIXL connector is "
+            f"{'unset' if nixl is None else nixl}: "
             + (
-                "patched (PTRRES_VLLM_NIXL=0 leaves it alone)"
+                "on for vLLM's NIXL connector (PTRRES_VLLM_NIXL=0 leaves it alone)"
                 if _state.nixl_requested()
-                else "left alone"
+                else "vLLM's NIXL connector is left alone"
             ),
         )
     )
