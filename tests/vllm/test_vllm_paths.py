@@ -459,8 +459,8 @@ if sys.argv[1] == "check":
     from ptrres._operator import check_command
     out = io.StringIO()
     status = check_command(out, kernels=False)
-    print(out.getvalue(), end="")
-    print(json.dumps({"status": status}))
+    # vLLM's own log lines may go to stdout too: the report is the last line.
+    print(json.dumps({"status": status, "text": out.getvalue()}))
     sys.exit()
 import ptrres.vllm
 from ptrres.vllm import _patching
@@ -487,8 +487,9 @@ def test_in_a_trimmed_vllm_check_shows_the_nixl_connector_left_alone() -> None:
     says it is left alone, and why, and the offloading paths patched."""
     result = run_python(TRIMMED, "check")
     assert result.returncode == 0, result.stderr
-    *text, last = result.stdout.splitlines()
-    findings = check_lines("\n".join([*text, ""]))
+    report = json.loads(result.stdout.splitlines()[-1])
+    text = report["text"].splitlines()
+    findings = check_lines(report["text"])
     assert findings[HANDLER][0] == "ok"
     assert findings[SIMPLE][0] == "ok"
     assert findings[NIXL] == (
@@ -500,7 +501,7 @@ def test_in_a_trimmed_vllm_check_shows_the_nixl_connector_left_alone() -> None:
         "The plugin will patch vLLM's offloading handler and simple offload "
         "path, and leave its NIXL connector as vLLM has it (why: above)."
     )
-    assert json.loads(last) == {"status": 1}
+    assert report["status"] == 1
 
 
 def test_in_a_trimmed_vllm_the_offloading_paths_are_patched() -> None:
