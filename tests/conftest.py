@@ -57,9 +57,9 @@ JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 # FIXTURES_NEEDING, and the tests named here by id ("file::test[param]").
 NEEDS: dict[str, tuple[str, ...]] = {
     "torch": (
-        "nixl", "vllm", "test_canonical.py", "test_cuda.py", "test_duck_typing.py",
-        "test_empty.py", "test_errors.py", "test_execute.py", "test_hostile.py",
-        "test_memory.py", "test_peer.py", "test_plans.py", "test_posix.py",
+        "nixl", "vllm", "test_cuda.py", "test_duck_typing.py",
+        "test_empty.py", "test_errors.py", "test_hostile.py",
+        "test_memory.py", "test_posix.py",
         "test_runs.py", "test_threads.py",
     ),
     "nixl": ("nixl", "test_readme.py::test_docs_examples_run[docs/nixl.md]"),
@@ -279,6 +279,96 @@ def data_ptr(tensor: Any) -> int:
     if isinstance(tensor, np.ndarray):
         return int(tensor.ctypes.data)
     return int(tensor.data_ptr())
+
+
+def with_torch() -> bool:
+    """Whether this run has torch: tests then build torch tensors, as the
+    3.11 run always has; under --without torch, numpy arrays."""
+    return "torch" not in WITHOUT
+
+
+def dtype_of(name: str) -> Any:
+    """A dtype by name ("int8", "uint8", "int64", "float32", ...): torch's, or
+    numpy's without torch."""
+    if not with_torch():
+        return np.dtype(name)
+    import torch
+
+    return getattr(torch, name)
+
+
+def zeros(*shape: int, dtype: str = "int8") -> Any:
+    """A zeroed tensor of a shape: torch.zeros, or np.zeros without torch."""
+    if not with_torch():
+        return np.zeros(shape, np.dtype(dtype))
+    import torch
+
+    return torch.zeros(shape, dtype=getattr(torch, dtype))
+
+
+def as_tensor(array: np.ndarray) -> Any:
+    """A numpy array as a torch tensor of the same memory (torch.from_numpy),
+    or the array itself without torch."""
+    if not with_torch():
+        return array
+    import torch
+
+    return torch.from_numpy(array)
+
+
+def itemsize(tensor: Any) -> int:
+    """Bytes per element of a torch tensor or numpy array."""
+    return int(tensor.itemsize)
+
+
+def span(tensor: Any) -> int:
+    """Bytes from a 2-D tensor's first element to its last, padding included."""
+    rows, row_elements = (int(n) for n in tensor.shape)
+    if rows * row_elements == 0:
+        return 0
+    return (rows - 1) * row_stride(tensor) + row_elements * itemsize(tensor)
+
+
+def tensor_bytes(tensor: Any) -> bytes:
+    """Every byte a 2-D tensor spans, padding included."""
+    return ctypes.string_at(data_ptr(tensor), span(tensor))
+
+
+def zero(tensor: Any) -> None:
+    """Zero every byte a 2-D tensor spans, padding included."""
+    ctypes.memset(data_ptr(tensor), 0, span(tensor))
+
+
+def allocation(tensor: Any) -> int:
+    """Where the allocation a tensor views starts: its torch storage, or the
+    numpy array that owns its memory."""
+    if not isinstance(tensor, np.ndarray):
+        return int(tensor.untyped_storage().data_ptr())
+    while isinstance(tensor.base, np.ndarray):
+        tensor = tensor.base
+    return int(tensor.ctypes.data)
+
+
+def clone(tensor: Any) -> Any:
+    """A copy in new memory: Tensor.clone(), or ndarray.copy()."""
+    return tensor.copy() if isinstance(tensor, np.ndarray) else tensor.clone()
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy src's elements into dst: Tensor.copy_(), or np.copyto()."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)
+
+
+def equal(a: Any, b: Any) -> bool:
+    """Same shape and elements: torch.equal, or numpy's without torch."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    import torch
+
+    return bool(torch.equal(a, b))
 
 
 def row_bytes(tensor: Any, block: int) -> bytes:

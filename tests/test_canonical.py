@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import json
 import types
 from dataclasses import dataclass, replace
@@ -14,8 +15,7 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-import torch
-from conftest import random_tensor
+from conftest import as_tensor, dtype_of, random_tensor, row_stride, zeros
 from hypothesis import assume, given
 
 import ptrres
@@ -27,7 +27,7 @@ from ptrres._cli import main
 @dataclass
 class CanonicalCase:
     kv_caches: ptrres.CanonicalKVCaches
-    offloaded_tensors: list[torch.Tensor]
+    offloaded_tensors: list[Any]  # torch tensors, or numpy arrays without torch
     blocks_per_chunk: int
     spec: ptrres.GPULoadStoreSpec
     offloaded_ids: np.ndarray
@@ -123,10 +123,10 @@ def canonical_cases(draw: Any) -> CanonicalCase:
             num_blocks=draw(st.integers(1, 12)),
             row_elements=draw(st.integers(1, 64)),
             pad_elements=draw(st.sampled_from([0, 0, 3])),
-            dtype=torch.int8,
+            dtype=dtype_of("int8"),
             seed=t,
         )
-        tensors.append(ptrres.CanonicalKVCacheTensor(tensor, tensor.stride(0)))
+        tensors.append(ptrres.CanonicalKVCacheTensor(tensor, row_stride(tensor)))
     groups = []
     for _ in range(draw(st.integers(1, 3))):
         refs = []
@@ -153,7 +153,7 @@ def canonical_cases(draw: Any) -> CanonicalCase:
                 draw(st.integers(1, 14)),
                 bpc * sub,
                 draw(st.sampled_from([0, 0, 3])),
-                torch.int8,
+                dtype_of("int8"),
                 100 + t,
             )
         )
@@ -326,7 +326,7 @@ def test_coalesced_whole_page_layouts_keep_only_a_writers_pages(
     fills, as a direct plan does, and a store still keeps only the writer's
     pages, which are num_writers apart and never merge."""
     page, num_blocks = 24, 12
-    device = torch.arange(num_blocks * page, dtype=torch.int32).to(torch.uint8)
+    device = as_tensor(np.arange(num_blocks * page, dtype=np.int32).astype(np.uint8))
     mapping = CanonicalPageMapping(
         page,
         page,
@@ -336,12 +336,12 @@ def test_coalesced_whole_page_layouts_keep_only_a_writers_pages(
         False,
     )
     kv = ptrres.CanonicalKVCaches(
-        [ptrres.CanonicalKVCacheTensor(device.view(num_blocks, page), page)],
+        [ptrres.CanonicalKVCacheTensor(device.reshape(num_blocks, page), page)],
         [[ptrres.CanonicalKVCacheRef(0, page, mapping)] * 2],
     )
     spec = ptrres.GPULoadStoreSpec(np.array([2, 3, 4, 5, 6, 7, 9, 10]), [8], [0])
     chunk_ids = np.arange(3, 11)
-    offloaded = [torch.zeros((16, page), dtype=torch.uint8)]
+    offloaded = [zeros(16, page, dtype="uint8")]
     plan, planned = coalesced_against_reference(kv, offloaded, spec, chunk_ids, store)
     if store and num_writers > 1:
         assert len(plan.sizes) == len(planned.sizes) == 2 * 3  # pages 4, 7, 10
@@ -357,9 +357,9 @@ def test_coalesced_whole_page_plans_fail_as_plain_ones(store: bool) -> None:
     mapping = CanonicalPageMapping(
         page, page, (CopyRun(0, 0, page, 1, page, page),), 1, 0, False
     )
-    device = torch.zeros((4, page), dtype=torch.uint8)
+    device = zeros(4, page, dtype="uint8")
     table = ptrres.PointerTable(rank_caches(device, mapping))
-    offloaded = [torch.zeros((3, page), dtype=torch.uint8)]
+    offloaded = [zeros(3, page, dtype="uint8")]
     layout = ptrres.OffloadedLayout(offloaded, 1, canonical=True)
     errors: list[tuple[bool, Any, str]] = []
     for coalesce in (False, True):
@@ -386,7 +386,7 @@ def test_a_ref_that_never_merges_may_still_continue_the_ref_before() -> None:
     """Ref 1's fragments never continue each other (merging skips them), but
     its first continues ref 0's last on both sides, and joins it."""
     row, sub = 32, 16
-    device = torch.zeros((4, row), dtype=torch.uint8)
+    device = zeros(4, row, dtype="uint8")
     ref_0 = CanonicalPageMapping(
         sub, row, (CopyRun(0, 0, 4, 2, 8, 4),), 1, 0, False
     )  # local 0 and 8 -> canonical 0 and 4
@@ -398,7 +398,7 @@ def test_a_ref_that_never_merges_may_still_continue_the_ref_before() -> None:
         [[ptrres.CanonicalKVCacheRef(0, row, m) for m in (ref_0, ref_1)]],
     )
     spec = ptrres.GPULoadStoreSpec(np.array([1]), [1], [0])
-    offloaded = [torch.zeros((4, sub), dtype=torch.uint8)]
+    offloaded = [zeros(4, sub, dtype="uint8")]
     plan, _ = coalesced_against_reference(kv, offloaded, spec, np.array([2]), True)
     assert plan.sizes.tolist() == [4, 8, 4]
 
@@ -424,7 +424,7 @@ def test_canonical_plan_from_device_pointers_is_the_same_plan(
 
 def vllm_fill(case: CanonicalCase, store: bool, vllm_refs: list[list[Any]]) -> Any:
     """Run vLLM 0.33's _fill_canonical_ops as transfer_async does, on CPU."""
-    worker = pytest.importorskip("vllm.v1.kv_offload.cpu.gpu_worker")
+    worker = importlib.import_module("vllm.v1.kv_offload.cpu.gpu_worker")
     handler = worker.SingleDirectionOffloadingHandler
     bpc = case.blocks_per_chunk
     device = [t.tensor for t in case.kv_caches.tensors]
@@ -468,11 +468,12 @@ def vllm_fill(case: CanonicalCase, store: bool, vllm_refs: list[list[Any]]) -> A
     return all_src[:op], all_dst[:op], all_sizes[:op], num_bytes
 
 
+@pytest.mark.needs_vllm
 @given(canonical_cases(), st.booleans())
 def test_plan_matches_vllms_own_fill_and_classes(
     case: CanonicalCase, store: bool
 ) -> None:
-    base = pytest.importorskip("vllm.v1.kv_offload.base")
+    base = importlib.import_module("vllm.v1.kv_offload.base")
     # vLLM asserts bpc divides the row (in elements of its int8 tensors).
     vllm_refs = [
         [
@@ -548,14 +549,17 @@ def nhd_mapping(
     )
 
 
-def rank_caches(tensor: torch.Tensor, mapping: Any) -> ptrres.CanonicalKVCaches:
+def rank_caches(tensor: Any, mapping: Any) -> ptrres.CanonicalKVCaches:
     return ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, tensor.shape[1])],
         [[ptrres.CanonicalKVCacheRef(0, mapping.local_page_size_bytes, mapping)]],
     )
 
 
+@pytest.mark.needs_torch
 def test_nhd_store_from_tp2_then_load_into_tp4_moves_exactly_each_shard() -> None:
+    import torch
+
     heads, head_bytes, block_size, num_blocks, bpc = 8, 8, 16, 10, 2
     generator = torch.Generator().manual_seed(0)
     # TP=1 pages: (block, token, head, K and V bytes of the head).
@@ -602,7 +606,10 @@ def test_nhd_store_from_tp2_then_load_into_tp4_moves_exactly_each_shard() -> Non
         assert torch.equal(shard, expected)
 
 
+@pytest.mark.needs_torch
 def test_mla_writer_rotation_writes_each_canonical_page_once() -> None:
+    import torch
+
     tp, page, bpc, num_blocks = 4, 24, 4, 12
     canonical = torch.zeros((5, bpc * page), dtype=torch.uint8)
     layout = ptrres.OffloadedLayout([canonical], bpc, canonical=True)

@@ -21,7 +21,7 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-import torch
+from conftest import as_tensor, row_stride, with_torch
 from head_oracle import expected_pages, logical_kv, rank_pages, shard
 from hypothesis import example, given
 from test_peer import (
@@ -175,11 +175,22 @@ class SlicedCase:
     out: bool
 
 
-def byte_tensors(
-    blocks: int, strides: list[int], shared: bool, seed: int
-) -> list[torch.Tensor]:
+def byte_tensors(blocks: int, strides: list[int], shared: bool, seed: int) -> list[Any]:
     """One (blocks, stride) uint8 tensor of random bytes per stride: each its
-    own allocation, or views back to back in one buffer."""
+    own allocation, or views back to back in one buffer (torch tensors, or
+    numpy arrays of numpy's random bytes without torch)."""
+    if not with_torch():
+        rng = np.random.default_rng(seed)
+        if not shared:
+            return [rng.integers(0, 256, (blocks, s), np.uint8) for s in strides]
+        flat = rng.integers(0, 256, blocks * sum(strides), np.uint8)
+        ends = np.cumsum([0, *strides]) * blocks
+        return [
+            flat[int(a) : int(b)].reshape(blocks, s)
+            for a, b, s in zip(ends[:-1], ends[1:], strides)
+        ]
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     if not shared:
         return [
@@ -226,7 +237,7 @@ def sliced_cases(draw: Any) -> SlicedCase:
                     for d, page in enumerate(pages)
                 ]
             )
-            tensors += [ptrres.CanonicalKVCacheTensor(t, t.stride(0)) for t in made]
+            tensors += [ptrres.CanonicalKVCacheTensor(t, row_stride(t)) for t in made]
         n = draw(st.integers(0, 6))
         ids, peer_ids = draw(runs_of_ids(n, *blocks))
         local_ids += ids
@@ -343,7 +354,7 @@ def sliced_engines(
         page = heads * head_bytes
         tensors = byte_tensors(blocks, [page + 4] * 4, False, seed)
         return ptrres.CanonicalKVCaches(
-            [ptrres.CanonicalKVCacheTensor(t, t.stride(0)) for t in tensors],
+            [ptrres.CanonicalKVCacheTensor(t, row_stride(t)) for t in tensors],
             [
                 [ptrres.CanonicalKVCacheRef(2 * g + d, page) for d in range(2)]
                 for g in range(2)
@@ -558,10 +569,8 @@ def rank_caches(
                 blocks, stride
             )
             rows[:, :width] = page
-            tensor = torch.from_numpy(
-                caches.buffers[b][start : start + blocks * stride]
-            )
-            tensor = tensor.view(blocks, stride)[:, :width]
+            tensor = as_tensor(caches.buffers[b][start : start + blocks * stride])
+            tensor = tensor.reshape(blocks, stride)[:, :width]
             group_refs.append(ptrres.CanonicalKVCacheRef(len(caches.tensors), width))
             caches.tensors.append(ptrres.CanonicalKVCacheTensor(tensor, stride))
         caches.refs.append(group_refs)
@@ -908,7 +917,7 @@ def test_a_peer_page_of_other_bytes_per_head_is_refused(
     pages = [32 * local_heads, 32 * local_heads, local_page]
     tensors = byte_tensors(6, pages, False, 0)
     local = ptrres.CanonicalKVCaches(
-        [ptrres.CanonicalKVCacheTensor(t, t.stride(0)) for t in tensors],
+        [ptrres.CanonicalKVCacheTensor(t, row_stride(t)) for t in tensors],
         [[ptrres.CanonicalKVCacheRef(0, pages[0])],
          [ptrres.CanonicalKVCacheRef(1, pages[1]),
           ptrres.CanonicalKVCacheRef(2, pages[2])]],

@@ -15,8 +15,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from conftest import layouts, random_tensor
+from conftest import (
+    allocation,
+    clone,
+    copy_into,
+    data_ptr,
+    dtype_of,
+    equal,
+    itemsize,
+    layouts,
+    random_tensor,
+    row_stride,
+)
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -43,7 +53,7 @@ def peer_of(kv_caches: ptrres.CanonicalKVCaches, blocks: list[int]) -> Any:
     tensors = []
     for t, entry in enumerate(kv_caches.tensors):
         local = entry.tensor
-        padded = local.stride(0)
+        padded = row_stride(local) // itemsize(local)
         tensor = random_tensor(blocks[t], padded, 0, local.dtype, 100 + t)
         tensors.append(ptrres.CanonicalKVCacheTensor(tensor[:, : local.shape[1]], 0))
     return ptrres.CanonicalKVCaches(tensors, kv_caches.group_data_refs)
@@ -95,9 +105,10 @@ def peer_cases(draw: Any) -> PeerCase:
 
 
 def ref_allocations(kv: ptrres.CanonicalKVCaches) -> list[int]:
-    """The allocation of each ref's tensor, group by group (torch storage)."""
+    """The allocation of each ref's tensor, group by group (torch storage,
+    or the numpy array that owns the memory)."""
     return [
-        kv.tensors[r.tensor_idx].tensor.untyped_storage().data_ptr()
+        allocation(kv.tensors[r.tensor_idx].tensor)
         for refs in kv.group_data_refs
         for r in refs
     ]
@@ -149,7 +160,7 @@ def two_engines(
     def caches(n: int, seed: int) -> ptrres.CanonicalKVCaches:
         tensors = [
             ptrres.CanonicalKVCacheTensor(
-                random_tensor(n, page, 0, torch.int8, seed + t), 0
+                random_tensor(n, page, 0, dtype_of("int8"), seed + t), 0
             )
             for t in range(2 * groups)
         ]
@@ -170,25 +181,25 @@ def test_a_peer_plan_moves_the_blocks_it_names() -> None:
     local, remote, table, peer = two_engines()
     spec = ptrres.GPULoadStoreSpec(np.array([1, 2, 3, 9, 8], np.int32), [3, 2])
     remote_ids = [4, 5, 6, 11, 10]
-    before = [e.tensor.clone() for e in local.tensors]
+    before = [clone(e.tensor) for e in local.tensors]
     results = []
     for coalesce in (False, True):
         for t, entry in zip(before, local.tensors):
-            entry.tensor.copy_(t)
+            copy_into(entry.tensor, t)
         plan = table.plan_peer_transfer(spec, peer, remote_ids, coalesce=coalesce)
         reference.execute_descriptors(plan.remote, plan.local, plan.sizes)
-        results.append([e.tensor.clone() for e in local.tensors])
+        results.append([clone(e.tensor) for e in local.tensors])
     assert (
         len(table.plan_peer_transfer(spec, peer, remote_ids, coalesce=True).sizes) == 4
     )
     for a, b in zip(*results):
-        assert torch.equal(a, b)
+        assert equal(a, b)
     for g, ids, peer_ids in ((0, [1, 2, 3], [4, 5, 6]), (1, [9, 8], [11, 10])):
         for d in range(2):
             t = 2 * g + d
-            assert torch.equal(results[0][t][ids], remote.tensors[t].tensor[peer_ids])
+            assert equal(results[0][t][ids], remote.tensors[t].tensor[peer_ids])
             untouched = [k for k in range(10) if k not in ids]
-            assert torch.equal(results[0][t][untouched], before[t][untouched])
+            assert equal(results[0][t][untouched], before[t][untouched])
 
 
 def boundary_ids(num_blocks: int) -> list[int]:
@@ -301,7 +312,7 @@ def test_prepped_rows_are_one_strided_row_per_ref() -> None:
     assert rows.xfer_list.dtype == np.uint64
     assert rows.xfer_list.flags.c_contiguous
     expected = [
-        (local.tensors[2 * g + d].tensor.data_ptr(), 64, 0, 64, 10)
+        (data_ptr(local.tensors[2 * g + d].tensor), 64, 0, 64, 10)
         for g in range(2)
         for d in range(2)
     ]

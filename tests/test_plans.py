@@ -9,8 +9,18 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-import torch
-from conftest import layouts, random_tensor, row_bytes
+from conftest import (
+    data_ptr,
+    dtype_of,
+    itemsize,
+    layouts,
+    random_tensor,
+    row_bytes,
+    row_stride,
+    tensor_bytes,
+    zero,
+    zeros,
+)
 from hypothesis import given
 
 import ptrres
@@ -20,7 +30,7 @@ from ptrres import reference
 @dataclass
 class PlanCase:
     kv_caches: ptrres.CanonicalKVCaches
-    offloaded_tensors: list[torch.Tensor]
+    offloaded_tensors: list[Any]  # torch tensors, or numpy arrays without torch
     blocks_per_chunk: int
     spec: ptrres.GPULoadStoreSpec
     offloaded_ids: np.ndarray
@@ -70,7 +80,7 @@ def plan_cases(draw: Any, unique: bool = False) -> PlanCase:
         ]
         sub = max(pages, default=0) + draw(st.sampled_from([0, 0, 1, 5]))
         pad = draw(st.sampled_from([0, 0, 3]))
-        dtype = draw(st.sampled_from([torch.int8, torch.uint8]))
+        dtype = draw(st.sampled_from([dtype_of("int8"), dtype_of("uint8")]))
         num_chunks = draw(st.integers(12 if unique else 1, 14))
         offloaded.append(random_tensor(num_chunks, bpc * sub, pad, dtype, 100 + t))
     ids: list[int] = []
@@ -199,25 +209,6 @@ def copy(plan: ptrres.TransferPlan) -> None:
         ctypes.memmove(dst, src, size)
 
 
-def span(tensor: torch.Tensor) -> int:
-    """Bytes from a 2-D tensor's first element to its last, padding included."""
-    if tensor.numel() == 0:
-        return 0
-    return (
-        (tensor.shape[0] - 1) * tensor.stride(0) + tensor.shape[1]
-    ) * tensor.element_size()
-
-
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """Every byte a tensor spans, padding included."""
-    return ctypes.string_at(tensor.data_ptr(), span(tensor))
-
-
-def zero(tensor: torch.Tensor) -> None:
-    """Zero every byte a tensor spans, padding included."""
-    ctypes.memset(tensor.data_ptr(), 0, span(tensor))
-
-
 @given(plan_cases(unique=True), st.booleans())
 def test_store_then_load_round_trip(case: PlanCase, merge: bool) -> None:
     """Every copied byte lands where SPEC says, and nothing else is written."""
@@ -254,8 +245,8 @@ def test_store_then_load_round_trip(case: PlanCase, merge: bool) -> None:
     written = [bytearray(b) for b in offloaded_before]
     for t, block, chunk, sub_block, page in expected:
         off = case.offloaded_tensors[t]
-        sub = off.shape[1] * off.element_size() // bpc
-        start = chunk * off.stride(0) * off.element_size() + sub_block * sub
+        sub = off.shape[1] * itemsize(off) // bpc
+        start = chunk * row_stride(off) + sub_block * sub
         written[t][start : start + page] = row_bytes(kv.tensors[t].tensor, block)[:page]
     assert [tensor_bytes(t) for t in case.offloaded_tensors] == [
         bytes(b) for b in written
@@ -273,10 +264,10 @@ def test_store_then_load_round_trip(case: PlanCase, merge: bool) -> None:
     device_written = [bytearray(len(tensor_bytes(e.tensor))) for e in kv.tensors]
     for t, block, chunk, sub_block, page in expected:
         off = case.offloaded_tensors[t]
-        sub = off.shape[1] * off.element_size() // bpc
-        src = chunk * off.stride(0) * off.element_size() + sub_block * sub
+        sub = off.shape[1] * itemsize(off) // bpc
+        src = chunk * row_stride(off) + sub_block * sub
         dev = kv.tensors[t].tensor
-        start = block * dev.stride(0) * dev.element_size()
+        start = block * row_stride(dev)
         device_written[t][start : start + page] = written[t][src : src + page]
     assert [tensor_bytes(e.tensor) for e in kv.tensors] == [
         bytes(b) for b in device_written
@@ -386,9 +377,9 @@ def test_coalesce_in_place_and_into_out_buffers() -> None:
 
 def contiguous_layout(
     n_tensors: int, num_blocks: int, row: int
-) -> tuple[ptrres.CanonicalKVCaches, torch.Tensor]:
+) -> tuple[ptrres.CanonicalKVCaches, Any]:
     """Tensors carved from one buffer with gaps, so no two are adjacent."""
-    storage = torch.zeros(n_tensors, num_blocks + 1, row, dtype=torch.int8)
+    storage = zeros(n_tensors, num_blocks + 1, row)
     tensors = [storage[t, :num_blocks] for t in range(n_tensors)]
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(t, row) for t in tensors],
@@ -400,9 +391,7 @@ def contiguous_layout(
 @pytest.mark.parametrize("store", [True, False])
 def test_contiguous_transfer_collapses_to_one_descriptor_per_ref(store: bool) -> None:
     kv, _ = contiguous_layout(n_tensors=3, num_blocks=64, row=32)
-    offloaded = ptrres.OffloadedLayout(
-        [torch.zeros(8 + 1, 4 * 32, dtype=torch.int8)[:8] for _ in range(3)], 4
-    )
+    offloaded = ptrres.OffloadedLayout([zeros(8 + 1, 4 * 32)[:8] for _ in range(3)], 4)
     spec = ptrres.GPULoadStoreSpec(np.arange(8, 24), [16], [0])
     table = ptrres.PointerTable(kv)
     plan = table.plan_transfer(
@@ -441,8 +430,8 @@ def test_runs_merge_across_refs_and_groups(
 ) -> None:
     """Layers interleaved on both sides: one block's pages of three layers, two
     of them in group 0 and one in group 1, are adjacent and become one copy."""
-    device = torch.zeros(16, 3, 32, dtype=torch.int8)
-    host = torch.zeros(8, 3, 32, dtype=torch.int8)  # blocks_per_chunk 1
+    device = zeros(16, 3, 32)
+    host = zeros(8, 3, 32)  # blocks_per_chunk 1
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(device[:, i], 96) for i in range(3)],
         [
@@ -457,7 +446,7 @@ def test_runs_merge_across_refs_and_groups(
     )
     assert plan.sizes.tolist() == expected_sizes
     device_side = plan.src if store else plan.dst
-    assert int(device_side[0]) == device[5].data_ptr()
+    assert int(device_side[0]) == data_ptr(device[5])
 
 
 @pytest.mark.parametrize(
@@ -472,8 +461,8 @@ def test_capped_run_rest_continues_into_next_ref(
     under a cap, a ref's run splits into the part that grows the last copy and
     the rest, and the next ref's run must continue that rest."""
     page = 32
-    device = torch.zeros(3, 2, page, dtype=torch.int8)  # ref, block, page
-    host = torch.zeros(2, 3, 2 * page, dtype=torch.int8)  # chunk, ref, sub-blocks
+    device = zeros(3, 2, page)  # ref, block, page
+    host = zeros(2, 3, 2 * page)  # chunk, ref, sub-blocks
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(device[i], page) for i in range(3)],
         [[ptrres.CanonicalKVCacheRef(i, page) for i in range(3)]],
@@ -514,8 +503,8 @@ def merged_like_reference(
 
 def test_worked_example_store_and_load() -> None:
     """SPEC 5 by hand: bpc 2, skip 1, three blocks over two chunks."""
-    device = random_tensor(10, 16, 0, torch.int8, 0)
-    host = torch.zeros(4, 32, dtype=torch.int8)
+    device = random_tensor(10, 16, 0, dtype_of("int8"), 0)
+    host = zeros(4, 32)
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(device, 16)],
         [[ptrres.CanonicalKVCacheRef(0, 12)]],
@@ -523,7 +512,7 @@ def test_worked_example_store_and_load() -> None:
     offloaded = ptrres.OffloadedLayout([host], 2)
     spec = ptrres.GPULoadStoreSpec([7, 2, 5], [3], [3])
     plan = ptrres.PointerTable(kv).plan_transfer(spec, offloaded, [3, 0], store=True)
-    d, h = device.data_ptr(), host.data_ptr()
+    d, h = data_ptr(device), data_ptr(host)
     assert plan.src.tolist() == [d + 7 * 16, d + 2 * 16, d + 5 * 16]
     assert plan.dst.tolist() == [h + 3 * 32 + 16, h + 0 * 32, h + 0 * 32 + 16]
     assert plan.sizes.tolist() == [12, 12, 12]
@@ -538,8 +527,8 @@ def test_worked_example_store_and_load() -> None:
 @pytest.mark.parametrize("bpc", [np.int32(2), np.int64(2), np.uint64(2)])
 def test_blocks_per_chunk_as_a_numpy_integer(bpc: Any) -> None:
     """int64 ids // a numpy uint64 is float64 in numpy: neither side may trip."""
-    device = random_tensor(10, 16, 0, torch.int8, 0)
-    host = torch.zeros(4, 32, dtype=torch.int8)
+    device = random_tensor(10, 16, 0, dtype_of("int8"), 0)
+    host = zeros(4, 32)
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(device, 16)],
         [[ptrres.CanonicalKVCacheRef(0, 12)]],
@@ -562,14 +551,12 @@ def test_blocks_per_chunk_as_a_numpy_integer(bpc: Any) -> None:
 def setup() -> tuple[
     ptrres.PointerTable, ptrres.OffloadedLayout, ptrres.GPULoadStoreSpec
 ]:
-    tensors = [random_tensor(10, 16, 0, torch.int8, t) for t in range(2)]
+    tensors = [random_tensor(10, 16, 0, dtype_of("int8"), t) for t in range(2)]
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(t, 16) for t in tensors],
         [[ptrres.CanonicalKVCacheRef(0, 16)], [ptrres.CanonicalKVCacheRef(1, 8)]],
     )
-    offloaded = ptrres.OffloadedLayout(
-        [torch.zeros(5, 64, dtype=torch.int8), torch.zeros(3, 32, dtype=torch.int8)], 4
-    )
+    offloaded = ptrres.OffloadedLayout([zeros(5, 64), zeros(3, 32)], 4)
     spec = ptrres.GPULoadStoreSpec([1, 2, 3, 4, 5], [3, 2], [0, 3])
     return ptrres.PointerTable(kv), offloaded, spec
 
@@ -622,23 +609,23 @@ def test_device_id_out_of_range_in_a_plan(setup) -> None:
     [
         (
             [
-                torch.zeros(5, 62, dtype=torch.int8),
-                torch.zeros(3, 32, dtype=torch.int8),
+                zeros(5, 62),
+                zeros(3, 32),
             ],
             4,
             r"offloaded tensors\[0\]: a row of 62 B does not split into 4 sub-blocks",
         ),
         (
             [
-                torch.zeros(5, 32, dtype=torch.int8),
-                torch.zeros(3, 32, dtype=torch.int8),
+                zeros(5, 32),
+                zeros(3, 32),
             ],
             4,
             r"group 0, ref 0: a page of 16 B does not fit in a sub-block of "
             r"offloaded tensors\[0\] \(8 B\)",
         ),
         (
-            [torch.zeros(5, 64, dtype=torch.int8)],
+            [zeros(5, 64)],
             4,
             "group 1, ref 0: tensor 1 has no offloaded tensor",
         ),
@@ -652,7 +639,9 @@ def test_offloaded_tensors_that_do_not_fit(setup, tensors, bpc, pattern) -> None
         )
     kv = ptrres.CanonicalKVCaches(
         [
-            ptrres.CanonicalKVCacheTensor(random_tensor(10, 16, 0, torch.int8, t), 16)
+            ptrres.CanonicalKVCacheTensor(
+                random_tensor(10, 16, 0, dtype_of("int8"), t), 16
+            )
             for t in range(2)
         ],
         [[ptrres.CanonicalKVCacheRef(0, 16)], [ptrres.CanonicalKVCacheRef(1, 8)]],
@@ -697,16 +686,16 @@ def test_bad_plan_arguments(setup, kwargs, error, pattern) -> None:
     with pytest.raises(
         ptrres.InputTypeError, match="offloaded must be an OffloadedLayout"
     ):
-        table.plan_transfer(spec, [torch.zeros(5, 64)], GOOD_IDS, store=True)
+        table.plan_transfer(spec, [zeros(5, 64, dtype="float32")], GOOD_IDS, store=True)
     # Empty rows split into any number of sub-blocks, but not one past int64.
-    empty_rows = [torch.zeros(5, 0, dtype=torch.int8)]
+    empty_rows = [zeros(5, 0)]
     with pytest.raises(
         ptrres.LayoutError, match="and < 2\\*\\*63, got 18446744073709551616"
     ):
         ptrres.OffloadedLayout(empty_rows, 2**64)
     assert ptrres.OffloadedLayout(empty_rows, 2**63 - 1).blocks_per_chunk == 2**63 - 1
     with pytest.raises(ptrres.LayoutError, match="blocks_per_chunk must be >= 1"):
-        ptrres.OffloadedLayout([torch.zeros(5, 64)], 0)
+        ptrres.OffloadedLayout([zeros(5, 64, dtype="float32")], 0)
 
 
 def test_device_pointers_that_are_not_blocks(setup) -> None:
@@ -793,8 +782,8 @@ def test_zero_byte_pages_and_a_run_joining_the_last_ref_under_a_cap() -> None:
     Tensors carved from one buffer: tensor 1's first row follows tensor 0's
     last, on both sides, so ref 1's run of every block continues ref 0's.
     """
-    device = torch.zeros(2, 8, 32, dtype=torch.int8)
-    host = torch.zeros(2, 1, 8 * 32, dtype=torch.int8)  # one chunk of 8 blocks
+    device = zeros(2, 8, 32)
+    host = zeros(2, 1, 8 * 32)  # one chunk of 8 blocks
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(device[t], 32) for t in range(2)],
         [[ptrres.CanonicalKVCacheRef(0, 32), ptrres.CanonicalKVCacheRef(1, 32)]],
@@ -827,7 +816,7 @@ def test_zero_byte_pages_and_a_run_joining_the_last_ref_under_a_cap() -> None:
         [[ptrres.CanonicalKVCacheRef(0, 0)]],
     )
     spec = ptrres.GPULoadStoreSpec([3, 3, 4], [3], [0])
-    chunks = torch.zeros(4, 32, dtype=torch.int8)
+    chunks = zeros(4, 32)
     unmerged = reference.plan_transfer(spec, kv, [chunks], 1, [2, 2, 3], store=False)
     plan = ptrres.PointerTable(kv).plan_transfer(
         spec, ptrres.OffloadedLayout([chunks], 1), [2, 2, 3], store=False, coalesce=True
@@ -859,8 +848,8 @@ def test_runs_of_a_group_filled_once_per_run(
     continues ref 0's last (15). Caps 96 (the longest run, 3 pages, exactly),
     95 (just under it), 64 and 32 (one page) and 20 (under a page).
     """
-    device = torch.zeros(2, 16, 32, dtype=torch.int8)
-    host = torch.zeros(2, 16, 32, dtype=torch.int8)  # blocks_per_chunk 1
+    device = zeros(2, 16, 32)
+    host = zeros(2, 16, 32)  # blocks_per_chunk 1
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(device[t], 32) for t in range(2)],
         [[ptrres.CanonicalKVCacheRef(0, 32), ptrres.CanonicalKVCacheRef(1, 32)]],
@@ -912,10 +901,10 @@ def test_a_padded_ref_merges_only_its_first_page_into_the_last_ref() -> None:
     Tensors carved from one buffer so that tensor 1's row 0 starts where
     tensor 0's page of row 0 ends, on both sides.
     """
-    device = torch.zeros(16 + 8 * 32, dtype=torch.int8)
-    host = torch.zeros(16 + 2 * 16, dtype=torch.int8)
-    tensors = [device[:256].view(8, 32), device[16:].view(8, 32)]
-    host_tensors = [host[:32].view(2, 16), host[16:].view(2, 16)]
+    device = zeros(16 + 8 * 32)
+    host = zeros(16 + 2 * 16)
+    tensors = [device[:256].reshape(8, 32), device[16:].reshape(8, 32)]
+    host_tensors = [host[:32].reshape(2, 16), host[16:].reshape(2, 16)]
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(t, 32) for t in tensors],
         [[ptrres.CanonicalKVCacheRef(0, 16), ptrres.CanonicalKVCacheRef(1, 16)]],
