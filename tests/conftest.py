@@ -58,7 +58,7 @@ JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 NEEDS: dict[str, tuple[str, ...]] = {
     "torch": (
         "nixl", "vllm", "test_cuda.py", "test_duck_typing.py",
-        "test_empty.py", "test_errors.py", "test_hostile.py",
+        "test_hostile.py",
         "test_memory.py", "test_posix.py",
         "test_runs.py", "test_threads.py",
     ),

@@ -16,11 +16,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-import torch
-from conftest import random_tensor
+from conftest import dtype_of, random_tensor, with_torch
 
 import ptrres
 from ptrres import reference
+
+if with_torch():  # its tests are marked needs_torch
+    import torch
 
 BLOCKS = 4
 PAGE = 16
@@ -36,7 +38,7 @@ MAPPING = ptrres.CanonicalPageMapping(
 
 def layout(*refs_per_group: int, canonical: bool = False) -> ptrres.CanonicalKVCaches:
     """One int8 tensor of BLOCKS blocks of PAGE bytes; groups of n refs each."""
-    tensor = random_tensor(BLOCKS, PAGE, 0, torch.int8, 0)
+    tensor = random_tensor(BLOCKS, PAGE, 0, dtype_of("int8"), 0)
     ref = ptrres.CanonicalKVCacheRef(0, PAGE, MAPPING if canonical else None)
     return ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, PAGE)],
@@ -45,7 +47,7 @@ def layout(*refs_per_group: int, canonical: bool = False) -> ptrres.CanonicalKVC
 
 
 # Offloaded: one chunk per block (blocks_per_chunk 1), BLOCKS chunks.
-OFFLOADED = [random_tensor(BLOCKS, PAGE, 0, torch.int8, 1)]
+OFFLOADED = [random_tensor(BLOCKS, PAGE, 0, dtype_of("int8"), 1)]
 
 
 def spec(block_ids: Any) -> SimpleNamespace:
@@ -165,6 +167,18 @@ OFFLOADED_ID_CALLS: dict[str, Callable[[Any], Any]] = {
     ),
 }
 
+
+def torch_marked(cases: dict[str, Any]) -> list[Any]:
+    """The names of cases, those of torch tensors ("torch ...") marked
+    needs_torch."""
+    return [
+        pytest.param(name, marks=pytest.mark.needs_torch)
+        if name.startswith("torch")
+        else name
+        for name in cases
+    ]
+
+
 # Ids of no integer dtype, each as a function of how many (0 or 2).
 NOT_INTEGERS: dict[str, Callable[[int], Any]] = {
     "float32": lambda n: np.ones(n, np.float32),
@@ -177,7 +191,7 @@ NOT_INTEGERS: dict[str, Callable[[int], Any]] = {
 
 
 @pytest.mark.parametrize("n", [0, 2])
-@pytest.mark.parametrize("dtype", list(NOT_INTEGERS))
+@pytest.mark.parametrize("dtype", torch_marked(NOT_INTEGERS))
 @pytest.mark.parametrize(
     ("what", "name"),
     [("block_ids", name) for name in BLOCK_ID_CALLS]
@@ -207,7 +221,7 @@ NO_IDS: dict[str, Callable[[], Any]] = {
 }
 
 
-@pytest.mark.parametrize("ids", list(NO_IDS))
+@pytest.mark.parametrize("ids", torch_marked(NO_IDS))
 @pytest.mark.parametrize(
     ("what", "name"),
     [("block_ids", name) for name in BLOCK_ID_CALLS]
@@ -233,7 +247,12 @@ def test_no_ids_without_a_dtype_or_of_an_integer_one_plan_nothing(
     ("field", "values", "error"),
     [
         ("group_sizes", np.zeros(0), ptrres.InputTypeError),
-        ("group_sizes", torch.zeros(0), ptrres.InputTypeError),
+        pytest.param(
+            "group_sizes",
+            torch.zeros(0) if with_torch() else None,
+            ptrres.InputTypeError,
+            marks=pytest.mark.needs_torch,
+        ),
         ("block_indices", np.zeros(0, "U4"), ptrres.InputTypeError),
         ("block_indices", np.zeros(0, bool), ptrres.InputTypeError),
         ("group_sizes", np.zeros(0, np.uint64), None),

@@ -7,11 +7,21 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from conftest import assert_same_pointers, random_tensor
+from conftest import (
+    as_tensor,
+    assert_same_pointers,
+    data_ptr,
+    dtype_of,
+    random_tensor,
+    with_torch,
+    zeros,
+)
 
 import ptrres
 from ptrres import reference
+
+if with_torch():  # its tests are marked needs_torch
+    import torch
 
 RESOLVERS = {
     "table": lambda spec, kv: ptrres.PointerTable(kv).resolve(spec),
@@ -29,8 +39,8 @@ def resolve(request: pytest.FixtureRequest):
 def kv() -> ptrres.CanonicalKVCaches:
     """Group 0: tensors 0 (10 blocks) and 1 (6 blocks); group 1: tensor 1."""
     tensors = [
-        random_tensor(10, 16, 0, torch.int8, 0),
-        random_tensor(6, 16, 0, torch.int8, 1),
+        random_tensor(10, 16, 0, dtype_of("int8"), 0),
+        random_tensor(6, 16, 0, dtype_of("int8"), 1),
     ]
     return ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(t, 16) for t in tensors],
@@ -197,7 +207,7 @@ def test_page_size_outside_the_row(resolve, kv, page_size, pattern) -> None:
 
 def test_page_wider_than_a_padded_row(resolve) -> None:
     """A page within the stride but past the row's elements would leave the tensor."""
-    tensor = random_tensor(4, 8, 4, torch.int8, 0)  # 8-byte rows, 12-byte stride
+    tensor = random_tensor(4, 8, 4, dtype_of("int8"), 0)  # 8-byte rows, 12-byte stride
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, 12)],
         [[ptrres.CanonicalKVCacheRef(0, 10)]],
@@ -213,7 +223,8 @@ def test_tensors_that_are_not_tensors(resolve, kv) -> None:
         match=r"tensors\[1\].tensor must be a torch tensor or a numpy array, got list",
     ):
         resolve(good_spec(), kv)
-    kv.tensors[1] = ptrres.CanonicalKVCacheTensor(torch.tensor(3), 16)
+    # A 0-d torch tensor (int64, as torch.tensor(3)), or numpy array.
+    kv.tensors[1] = ptrres.CanonicalKVCacheTensor(as_tensor(np.array(3)), 16)
     with pytest.raises(ptrres.LayoutError, match=r"tensors\[1\].tensor is 0-d"):
         resolve(good_spec(), kv)
 
@@ -242,10 +253,11 @@ def test_tensors_that_are_not_tensors(resolve, kv) -> None:
             r"must be 1-D, got shape \(5, 1\)",
         ),
         (np.zeros(10, np.int64)[::2], ptrres.OutBufferError, "is not contiguous"),
-        (
-            torch.zeros(5, dtype=torch.int64),
+        pytest.param(
+            torch.zeros(5, dtype=torch.int64) if with_torch() else None,
             ptrres.InputTypeError,
             r"pass tensor.numpy\(\)",
+            marks=pytest.mark.needs_torch,
         ),
     ],
 )
@@ -412,6 +424,7 @@ def test_tensors_with_odd_geometry(resolve, tensor, error, pattern) -> None:
         resolve(ptrres.GPULoadStoreSpec([0]), one_tensor_layout(tensor))
 
 
+@pytest.mark.needs_torch
 def test_tensor_without_storage(resolve) -> None:
     """Was RuntimeError (torch: "Cannot access data pointer of Tensor...")."""
     sparse = torch.zeros(4, 8).to_sparse()
@@ -548,7 +561,7 @@ def test_descriptors_at_the_top_of_the_address_space() -> None:
 def test_group_sizes_that_wrap_around_2_to_the_64(resolve) -> None:
     """Sizes summed in uint64 wrapped to the number of ids: the kernel then
     read ids before the array's start, and failed an assert."""
-    tensor = random_tensor(8, 16, 0, torch.int8, 0)
+    tensor = random_tensor(8, 16, 0, dtype_of("int8"), 0)
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, 16)],
         [[], [], [ptrres.CanonicalKVCacheRef(0, 16)]],
@@ -566,7 +579,7 @@ def test_group_sizes_that_wrap_around_2_to_the_64(resolve) -> None:
 def test_device_pointers_with_a_huge_group_without_refs() -> None:
     """A group without refs has no pointers to bound its size: one of 2**40
     blocks made plan_from_device_pointers allocate 8 TiB (MemoryError)."""
-    tensor = random_tensor(8, 16, 0, torch.int8, 0)
+    tensor = random_tensor(8, 16, 0, dtype_of("int8"), 0)
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, 16)],
         [[], [ptrres.CanonicalKVCacheRef(0, 16)]],
@@ -581,13 +594,13 @@ def test_device_pointers_with_a_huge_group_without_refs() -> None:
     plan = table.plan_from_device_pointers(
         device_ptrs, offloaded, [0, 1, 2, 3, 4], store=True
     )
-    assert plan.src.tolist() == [tensor[1].data_ptr(), tensor[5].data_ptr()]
+    assert plan.src.tolist() == [data_ptr(tensor[1]), data_ptr(tensor[5])]
 
 
 def test_offloaded_layout_cannot_be_changed() -> None:
     """Setting blocks_per_chunk from 2 to 4 kept sub-blocks of half a row: the
     last sub-blocks of the last chunk lay past the offloaded tensor."""
-    tensor = random_tensor(8, 16, 0, torch.int8, 0)
+    tensor = random_tensor(8, 16, 0, dtype_of("int8"), 0)
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, 16)],
         [[ptrres.CanonicalKVCacheRef(0, 8)]],
@@ -761,9 +774,9 @@ def test_inputs_that_take_the_long_way_but_are_fine(kv) -> None:
 
 def test_out_may_be_the_rows_of_one_2d_buffer(kv) -> None:
     """One pinned (2, n) tensor's numpy view serves as ptrs and sizes."""
-    pinned = torch.zeros(2, 8, dtype=torch.int64)
+    pinned = zeros(2, 8, dtype="int64")
     # resolve() takes the rows of a 2-D array, which its out type leaves out.
-    rows: Any = pinned.numpy()
+    rows: Any = pinned if isinstance(pinned, np.ndarray) else pinned.numpy()
     device_ptrs = ptrres.PointerTable(kv).resolve(good_spec(), out=rows)
     assert_same_pointers(
         device_ptrs, reference.resolve_device_pointers(good_spec(), kv)
