@@ -60,7 +60,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
         "nixl", "vllm", "test_cuda.py", "test_duck_typing.py",
         "test_hostile.py",
         "test_memory.py", "test_posix.py",
-        "test_runs.py", "test_threads.py",
+        "test_threads.py",
     ),
     "nixl": ("nixl", "test_readme.py::test_docs_examples_run[docs/nixl.md]"),
     "vllm": ("vllm",),

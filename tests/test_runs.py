@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
+from conftest import as_tensor, data_ptr, itemsize, row_stride, with_torch, zeros
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -67,7 +67,7 @@ def paired_runs(draw: Any, limit: int, max_pieces: int = 5) -> tuple[list[int], 
 @dataclass
 class Layout:
     kv_caches: ptrres.CanonicalKVCaches
-    offloaded_tensors: list[torch.Tensor]
+    offloaded_tensors: list[Any]  # torch tensors, or numpy arrays without torch
     # Per ref of the one group, in order: which allocation pair it copies
     # between (what reference.coalesce takes as allocations, per descriptor).
     ref_allocations: list[int]
@@ -79,11 +79,26 @@ def direct_layout(
     """A tensor per entry of ``pads``: n_blocks rows of ``page`` + pad bytes
     (offloaded: rows of the same, one block per chunk), each its own
     allocation or all views of one buffer laid back to back; one group whose
-    refs are on tensors ``refs``, each copying ``page`` bytes a block."""
-    generator = torch.Generator().manual_seed(len(pads) * 1000 + n_blocks)
+    refs are on tensors ``refs``, each copying ``page`` bytes a block (torch
+    tensors, or numpy arrays of numpy's random bytes without torch)."""
+    seed = len(pads) * 1000 + n_blocks
+    if not with_torch():
+        rng = np.random.default_rng(seed)
 
-    def tensors() -> list[torch.Tensor]:
+    def tensors() -> list[Any]:
         sizes = [n_blocks * (page + pad) for pad in pads]
+        if not with_torch():
+            if one_buffer:
+                flat = rng.integers(0, 256, sum(sizes), np.uint8).view(np.int8)
+                arrays = np.split(flat, np.cumsum(sizes)[:-1])
+            else:
+                arrays = [
+                    rng.integers(0, 256, size, np.uint8).view(np.int8) for size in sizes
+                ]
+            return [
+                array.reshape(n_blocks, page + pad)[:, :page]
+                for array, pad in zip(arrays, pads)
+            ]
         if one_buffer:
             buffer = torch.randint(
                 0, 256, (sum(sizes),), dtype=torch.uint8, generator=generator
@@ -101,9 +116,13 @@ def direct_layout(
             for piece, pad in zip(pieces, pads)
         ]
 
+    if with_torch():
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
     device = tensors()
     kv = ptrres.CanonicalKVCaches(
-        [ptrres.CanonicalKVCacheTensor(t, t.stride(0)) for t in device],
+        [ptrres.CanonicalKVCacheTensor(t, row_stride(t)) for t in device],
         [[ptrres.CanonicalKVCacheRef(t, page) for t in refs]],
     )
     allocations = [0 if one_buffer else t for t in refs]
@@ -198,8 +217,8 @@ def test_descending_ids_merge_into_one_copy_from_the_lowest_block() -> None:
     """GPU blocks 40, 39, 38 to CPU blocks 12, 11, 10: one copy of 38-40 to
     10-12 per layer, where the plain plan has three."""
     page = 64
-    device = [torch.zeros(48, page, dtype=torch.int8) for _ in range(2)]
-    cpu = [torch.zeros(16, page, dtype=torch.int8) for _ in range(2)]
+    device = [zeros(48, page) for _ in range(2)]
+    cpu = [zeros(16, page) for _ in range(2)]
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(t, page) for t in device],
         [[ptrres.CanonicalKVCacheRef(i, page) for i in range(2)]],
@@ -209,8 +228,8 @@ def test_descending_ids_merge_into_one_copy_from_the_lowest_block() -> None:
         spec, ptrres.OffloadedLayout(cpu, 1), np.array([12, 11, 10]), store=True,
         coalesce=True,
     )  # fmt: skip
-    assert plan.src.tolist() == [t.data_ptr() + 38 * page for t in device]
-    assert plan.dst.tolist() == [t.data_ptr() + 10 * page for t in cpu]
+    assert plan.src.tolist() == [data_ptr(t) + 38 * page for t in device]
+    assert plan.dst.tolist() == [data_ptr(t) + 10 * page for t in cpu]
     assert plan.sizes.tolist() == [3 * page, 3 * page]
     # A load mirrors it; a direction change, a gap or a repeat ends a run.
     load = ptrres.PointerTable(kv).plan_transfer(
@@ -346,14 +365,20 @@ def test_no_copy_spans_two_adjacent_allocations() -> None:
         ),
     ):
 
-        def tensor(address: int) -> torch.Tensor:
-            buffer = (ctypes.c_char * size).from_address(address)
-            return torch.frombuffer(buffer, dtype=torch.int8).view(n_blocks, page)
+        def tensor(address: int, blocks: int = n_blocks) -> Any:
+            """torch.frombuffer's view of the memory, or numpy's without torch."""
+            if not with_torch():
+                return numpy_at(address, blocks * page).reshape(blocks, page)
+            import torch
+
+            buffer = (ctypes.c_char * (blocks * page)).from_address(address)
+            return torch.frombuffer(buffer, dtype=torch.int8).view(blocks, page)
 
         device = [tensor(dev0), tensor(dev1)]
         cpu = [tensor(off0), tensor(off1)]
+        rng = np.random.default_rng(0)
         for t in device + cpu:
-            t.copy_(torch.randint(-128, 127, t.shape, dtype=torch.int8))
+            t[:] = as_tensor(rng.integers(-128, 127, t.shape, np.int8))
         # Group 0 copies block 3 of tensor 0, group 1 block 0 of tensor 1.
         refs = [
             [ptrres.CanonicalKVCacheRef(0, page)],
@@ -379,12 +404,8 @@ def test_no_copy_spans_two_adjacent_allocations() -> None:
             separate.src, separate.dst, separate.sizes
         ).sizes.tolist() == [2 * page]
         # The same memory seen as views of one tensor on each side: one copy.
-        joined_device = torch.frombuffer(
-            (ctypes.c_char * (2 * size)).from_address(dev0), dtype=torch.int8
-        ).view(2 * n_blocks, page)
-        joined_cpu = torch.frombuffer(
-            (ctypes.c_char * (2 * size)).from_address(off0), dtype=torch.int8
-        ).view(2 * n_blocks, page)
+        joined_device = tensor(dev0, 2 * n_blocks)
+        joined_cpu = tensor(off0, 2 * n_blocks)
         views = plan(
             [joined_device[:n_blocks], joined_device[n_blocks:]],
             [joined_cpu[:n_blocks], joined_cpu[n_blocks:]],
@@ -409,18 +430,20 @@ def test_no_copy_spans_two_adjacent_allocations() -> None:
 class _Opaque:
     """A tensor-like object that exposes no storage (duck typing)."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: Any) -> None:  # torch's, or a numpy array
         self._tensor = tensor
         self.shape = tensor.shape
 
     def data_ptr(self) -> int:
-        return self._tensor.data_ptr()
+        return data_ptr(self._tensor)
 
     def stride(self, dim: int) -> int:
-        return self._tensor.stride(dim)
+        if isinstance(self._tensor, np.ndarray):
+            return int(self._tensor.strides[dim]) // itemsize(self._tensor)
+        return int(self._tensor.stride(dim))
 
     def element_size(self) -> int:
-        return self._tensor.element_size()
+        return itemsize(self._tensor)
 
 
 def test_tensors_that_expose_no_storage_never_merge_across_refs() -> None:
@@ -428,8 +451,8 @@ def test_tensors_that_expose_no_storage_never_merge_across_refs() -> None:
     as an allocation of its own, so runs stop at every ref's end, even where
     the memory is one buffer; refs of one such tensor still merge."""
     page, n_blocks = 16, 4
-    buffer = torch.zeros(2 * n_blocks, page, dtype=torch.int8)
-    cpu_buffer = torch.zeros(2 * n_blocks, page, dtype=torch.int8)
+    buffer = zeros(2 * n_blocks, page)
+    cpu_buffer = zeros(2 * n_blocks, page)
     device = [_Opaque(buffer[:n_blocks]), _Opaque(buffer[n_blocks:])]
     cpu = [_Opaque(cpu_buffer[:n_blocks]), _Opaque(cpu_buffer[n_blocks:])]
     refs = [
@@ -445,7 +468,7 @@ def test_tensors_that_expose_no_storage_never_merge_across_refs() -> None:
         coalesce=True,
     )  # fmt: skip
     assert plan.sizes.tolist() == [page, page]
-    # As torch views of one storage, the same copy is one.
+    # As torch views of one storage (numpy's of one array), the same copy is one.
     kv_views = ptrres.CanonicalKVCaches(
         [
             ptrres.CanonicalKVCacheTensor(t, page)
@@ -467,7 +490,7 @@ def test_file_ops_merge_across_refs_only_within_one_allocation() -> None:
     (two allocations, as far as ptrres can tell). Pointers alone
     (ptrres.plan_file_ops) say nothing of allocations: they merge."""
     page = 64
-    tensor = torch.zeros(8, 2 * page, dtype=torch.int8)
+    tensor = zeros(8, 2 * page)
     halves = [tensor[:, :page], tensor[:, page:]]
     spec = ptrres.GPULoadStoreSpec(np.array([5, 6], np.int64), [2], [0])
     refs = [[ptrres.CanonicalKVCacheRef(0, page), ptrres.CanonicalKVCacheRef(1, page)]]
@@ -507,8 +530,8 @@ def test_runs_across_refs_of_one_buffer_every_short_stream(
     from one ref into the next."""
     page = 8
     rows = max(start + n for start, n in windows)
-    device = torch.arange(rows * page, dtype=torch.int8).view(rows, page)
-    cpu = torch.zeros(rows, page, dtype=torch.int8)
+    device = as_tensor(np.arange(rows * page, dtype=np.int8).reshape(rows, page))
+    cpu = zeros(rows, page)
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(device[a : a + n], page) for a, n in windows],
         [[ptrres.CanonicalKVCacheRef(0, page), ptrres.CanonicalKVCacheRef(1, page)]],
