@@ -30,13 +30,23 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-import torch
-from conftest import random_tensor
+from conftest import (
+    data_ptr,
+    dtype_of,
+    itemsize,
+    random_tensor,
+    row_stride,
+    with_torch,
+    zeros,
+)
 from hypothesis import example, given
 from test_plans import PlanCase, plan_cases
 
 import ptrres
 from ptrres import reference
+
+if with_torch():  # without it, no torch kinds are drawn
+    import torch
 
 # Failures a hostile call may end in: ptrres' own errors, and for the
 # reference, which reads input with the same helpers, ValueError or TypeError.
@@ -163,6 +173,9 @@ def arrays_like(draw: Any, values: list[int]) -> Any:
         st.sampled_from(
             ["array"] * 6
             + ["list", "tuple", "torch", "none", "str", "range", "scalar", "dict"]
+            if with_torch()
+            else ["array"] * 6
+            + ["list", "tuple", "none", "str", "range", "scalar", "dict"]
         )
     )
     if holder == "list":
@@ -270,14 +283,20 @@ def tensors_like(draw: Any, tensor: Any) -> Any:
             ["duck"] * 4
             + ["numpy", "numpy-reversed", "numpy-broadcast", "numpy-3d", "numpy-1d"]
             + ["numpy-0d", "torch-t", "torch-0d", "none", "list", "sparse", "broken"]
+            if with_torch()
+            else ["duck"] * 4
+            + ["numpy", "numpy-reversed", "numpy-broadcast", "numpy-3d", "numpy-1d"]
+            + ["numpy-0d", "none", "list", "broken"]
         )
     )
     num_blocks, row = int(tensor.shape[0]), int(tensor.shape[1])
     if kind == "duck":
         duck = DuckTensor(
-            draw(st.one_of(st.just(tensor.data_ptr()), scalars(2**20))),
-            draw(st.one_of(st.just(tensor.stride(0)), scalars(64))),
-            draw(st.one_of(st.just(tensor.element_size()), scalars(8))),
+            draw(st.one_of(st.just(data_ptr(tensor)), scalars(2**20))),
+            draw(
+                st.one_of(st.just(row_stride(tensor) // itemsize(tensor)), scalars(64))
+            ),
+            draw(st.one_of(st.just(itemsize(tensor)), scalars(8))),
             draw(
                 st.one_of(
                     st.just((num_blocks, row)),
@@ -444,6 +463,10 @@ def out_buffers(draw: Any, n_ops: int, count: int) -> Guarded:
                 ["good"] * 8
                 + ["short", "int32", "float64", "big-endian", "2-d", "strided"]
                 + ["read-only", "unaligned", "list", "torch", "none", "same"]
+                if with_torch()
+                else ["good"] * 8
+                + ["short", "int32", "float64", "big-endian", "2-d", "strided"]
+                + ["read-only", "unaligned", "list", "none", "same"]
             )
         )
         guarded.kinds.append(kind)
@@ -527,7 +550,11 @@ def snapshot(*objects: Any) -> list[tuple[Any, bytes]]:
                 item = vars(item).get("tensor")
             if isinstance(item, np.ndarray) and item.dtype != object:
                 found.append((item, item.tobytes()))
-            elif isinstance(item, torch.Tensor) and item.layout == torch.strided:
+            elif (
+                with_torch()
+                and isinstance(item, torch.Tensor)
+                and item.layout == torch.strided
+            ):
                 found.append((item, tensor_bytes(item)))
     return found
 
@@ -716,7 +743,7 @@ def assert_same_with_out(
 
 # A layout and spec that must keep working after every hostile call.
 GOOD_KV = ptrres.CanonicalKVCaches(
-    [ptrres.CanonicalKVCacheTensor(random_tensor(8, 16, 0, torch.int8, 0), 16)],
+    [ptrres.CanonicalKVCacheTensor(random_tensor(8, 16, 0, dtype_of("int8"), 0), 16)],
     [[ptrres.CanonicalKVCacheRef(0, 16)]],
 )
 GOOD_TABLE = ptrres.PointerTable(GOOD_KV)
@@ -741,18 +768,23 @@ def closed_kernels() -> None:
 # groups with no ref or one; and issue 23's, one (1, 1) tensor and no ref.
 def example_layout(*refs_per_group: int) -> ptrres.CanonicalKVCaches:
     return ptrres.CanonicalKVCaches(
-        [ptrres.CanonicalKVCacheTensor(random_tensor(4, 16, 0, torch.int8, 0), 16)],
+        [
+            ptrres.CanonicalKVCacheTensor(
+                random_tensor(4, 16, 0, dtype_of("int8"), 0), 16
+            )
+        ],
         [[ptrres.CanonicalKVCacheRef(0, 16)] * n for n in refs_per_group],
     )
 
 
 ISSUE_23_LAYOUT = ptrres.CanonicalKVCaches(
-    [ptrres.CanonicalKVCacheTensor(random_tensor(1, 1, 0, torch.int8, 0), 1)], [[]]
+    [ptrres.CanonicalKVCacheTensor(random_tensor(1, 1, 0, dtype_of("int8"), 0), 1)],
+    [[]],
 )
 ONE_REF = example_layout(1)
 NO_GROUPS = example_layout()
 # Offloaded tensors for ONE_REF: 3 chunks of 2 sub-blocks of 16 bytes.
-EXAMPLE_OFFLOADED = [random_tensor(3, 32, 0, torch.int8, 100)]
+EXAMPLE_OFFLOADED = [random_tensor(3, 32, 0, dtype_of("int8"), 100)]
 
 
 def no_blocks(block_ids: Any = (), **fields: Any) -> SimpleNamespace:
@@ -787,7 +819,7 @@ def hostile_resolves(draw: Any) -> ResolveCall:
     ResolveCall(ISSUE_23_LAYOUT, no_blocks(np.array([], np.float32)), Guarded(None))
 )
 @example(ResolveCall(ONE_REF, no_blocks(np.array([], np.float64)), empty_out(2)))
-@example(ResolveCall(ONE_REF, no_blocks(torch.zeros(0)), Guarded(None)))
+@example(ResolveCall(ONE_REF, no_blocks(zeros(0, dtype="float32")), Guarded(None)))
 @example(ResolveCall(ONE_REF, no_blocks(np.array([], bool)), Guarded(None)))
 @example(ResolveCall(ONE_REF, no_blocks(np.zeros((0, 1), np.int64)), Guarded(None)))
 # [] has no dtype of its own (numpy reads it as float64): no ids, accepted.
@@ -1002,10 +1034,12 @@ def empty_plan(ids: Any = (), spec: Any = None, **fields: Any) -> PlanCall:
 # Issue 23's case for offloaded ids: a float32 array of none is refused.
 @example(empty_plan(np.array([], np.float32)))
 @example(empty_plan(np.array([], np.float64), merge=True, guarded=empty_out(3)))
-@example(empty_plan(torch.zeros(0), store=False))
+@example(empty_plan(zeros(0, dtype="float32"), store=False))
 @example(empty_plan(np.array([], object)))
 @example(empty_plan([], no_blocks(np.array([], np.float32))))
-@example(empty_plan([], no_blocks(torch.zeros(0)), merge=True, max_run_bytes=8))
+@example(
+    empty_plan([], no_blocks(zeros(0, dtype="float32")), merge=True, max_run_bytes=8)
+)
 # Valid and empty: the reference's empty plan, into empty out= buffers too.
 @example(empty_plan([], guarded=empty_out(3, aliased=True)))
 @example(empty_plan(np.array([], np.int8), merge=True, guarded=empty_out(3)))
@@ -1050,9 +1084,9 @@ def block_ids_behind(device_ptrs: Any, kv: ptrres.CanonicalKVCaches) -> list[int
         n = int(count)  # counts may be 0-d arrays: [0] * array(2) broadcasts
         if refs:
             tensor = kv.tensors[refs[0].tensor_idx].tensor
-            stride = tensor.stride(0) * tensor.element_size()
+            stride = row_stride(tensor)
             ids += [
-                (int(p) - tensor.data_ptr()) // stride
+                (int(p) - data_ptr(tensor)) // stride
                 for p in device_ptrs.ptrs[op : op + n]
             ]
         else:
@@ -1074,8 +1108,8 @@ def first_bad_pointer(
         blocks = [-1] * n
         for d, ref in enumerate(refs):
             tensor = kv.tensors[ref.tensor_idx].tensor
-            base = tensor.data_ptr()
-            stride = tensor.stride(0) * tensor.element_size()
+            base = data_ptr(tensor)
+            stride = row_stride(tensor)
             for k in range(n):
                 ptr = int(ptrs[op + k]) % 2**64
                 if d == 0 and ptr >= base:
