@@ -57,8 +57,7 @@ JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 # FIXTURES_NEEDING, and the tests named here by id ("file::test[param]").
 NEEDS: dict[str, tuple[str, ...]] = {
     "torch": (
-        "nixl", "vllm", "test_cuda.py", "test_duck_typing.py", "test_memory.py",
-        "test_posix.py", "test_threads.py",
+        "nixl", "vllm", "test_cuda.py",
     ),
     "nixl": ("nixl", "test_readme.py::test_docs_examples_run[docs/nixl.md]"),
     "vllm": ("vllm",),

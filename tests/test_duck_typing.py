@@ -9,8 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import torch
-from conftest import assert_same_pointers, random_tensor
+from conftest import assert_same_pointers, dtype_of, random_tensor
 
 import ptrres
 from ptrres import _pointer_utils, reference
@@ -28,7 +27,7 @@ class VllmGPULoadStoreSpec:
 
 @dataclass
 class VllmTensor:
-    tensor: torch.Tensor
+    tensor: Any  # torch's, or a numpy array without torch
     page_size_bytes: int
 
 
@@ -46,7 +45,9 @@ class VllmKVCaches:
 
 
 def vllm_layout() -> VllmKVCaches:
-    tensors = [VllmTensor(random_tensor(8, 32, 0, torch.int8, t), 32) for t in range(3)]
+    tensors = [
+        VllmTensor(random_tensor(8, 32, 0, dtype_of("int8"), t), 32) for t in range(3)
+    ]
     return VllmKVCaches(tensors, [[VllmRef(0, 32), VllmRef(1, 32)], [VllmRef(2, 16)]])
 
 
@@ -97,7 +98,8 @@ def test_table_cache_follows_the_kv_caches_object() -> None:
     assert _pointer_utils.table_for(kv) is first
     # Rebinding the tensors list rebuilds the table with the new pointers.
     kv.tensors = [
-        VllmTensor(random_tensor(8, 32, 0, torch.int8, 9 + t), 32) for t in range(3)
+        VllmTensor(random_tensor(8, 32, 0, dtype_of("int8"), 9 + t), 32)
+        for t in range(3)
     ]
     second = _pointer_utils.table_for(kv)
     assert second is not first

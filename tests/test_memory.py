@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-import torch
-from conftest import JIT_DISABLED, random_tensor
+from conftest import JIT_DISABLED, dtype_of, random_tensor
 
 import ptrres
 
@@ -108,7 +107,7 @@ Setup = tuple[ptrres.PointerTable, ptrres.OffloadedLayout]
 
 @pytest.fixture(scope="module")
 def setup() -> Setup:
-    tensors = [random_tensor(16, 32, 0, torch.int8, t) for t in range(2)]
+    tensors = [random_tensor(16, 32, 0, dtype_of("int8"), t) for t in range(2)]
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(t, 32) for t in tensors],
         [[ptrres.CanonicalKVCacheRef(0, 32), ptrres.CanonicalKVCacheRef(1, 32)]],

@@ -12,8 +12,14 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-import torch
-from conftest import layouts, random_tensor, specs_for
+from conftest import (
+    data_ptr,
+    dtype_of,
+    layouts,
+    random_tensor,
+    specs_for,
+    tensor_bytes,
+)
 from hypothesis import given
 
 import ptrres
@@ -26,10 +32,7 @@ def tensors_bytes(kv_caches: Any) -> list[bytes]:
     """Every byte of every tensor's rows, padding included."""
     out = []
     for entry in kv_caches.tensors:
-        tensor = entry.tensor
-        size = (tensor.shape[0] - 1) * tensor.stride(0) * tensor.element_size()
-        size += tensor.shape[1] * tensor.element_size()
-        out.append(ctypes.string_at(tensor.data_ptr(), size))
+        out.append(tensor_bytes(entry.tensor))
     return out
 
 
@@ -43,7 +46,7 @@ def op_bytes(plan: ptrres.FilePlan) -> list[bytes]:
 
 def zero_tensors(kv_caches: Any) -> None:
     for entry in kv_caches.tensors:
-        entry.tensor.zero_()
+        entry.tensor[...] = 0  # the rows, not their padding
 
 
 def expected_file(plan: ptrres.FilePlan, f: int, before: bytes) -> bytes:
@@ -94,7 +97,7 @@ def test_store_zero_load_round_trip(
     # Each byte is back if an op covers it, else as zeroed.
     restored = tensors_bytes(kv_caches)
     for t, entry in enumerate(kv_caches.tensors):
-        base = entry.tensor.data_ptr()
+        base = data_ptr(entry.tensor)
         covered = np.zeros(len(original[t]), bool)
         for ptr, size in zip(plan.dev_ptrs.tolist(), plan.sizes.tolist()):
             if base <= ptr < base + len(original[t]):
@@ -108,7 +111,7 @@ def test_store_zero_load_round_trip(
 
 def host_plan(n_files: int = 40, bpc: int = 4) -> tuple[Any, ptrres.FilePlan]:
     """A 2-group layout on CPU tensors and the plan of many blocks."""
-    tensors = [random_tensor(64, 32, 0, torch.int8, t) for t in range(3)]
+    tensors = [random_tensor(64, 32, 0, dtype_of("int8"), t) for t in range(3)]
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(t, 32) for t in tensors],
         [

@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from conftest import JIT_DISABLED, random_tensor
+from conftest import JIT_DISABLED, dtype_of, random_tensor, row_stride, zeros
 
 import ptrres
 from ptrres import reference
@@ -65,13 +64,13 @@ def long_calls() -> dict[str, Callable[[], Any]]:
     """A call of each public function that runs one kernel for tens of ms."""
     rng = np.random.default_rng(0)
     n_ids, n_refs, n_blocks = 500_000, 8, 1000
-    tensor = torch.zeros(n_blocks, 16, dtype=torch.int8)
+    tensor = zeros(n_blocks, 16)
     kv = ptrres.CanonicalKVCaches(
         [ptrres.CanonicalKVCacheTensor(tensor, 16)],
         [[ptrres.CanonicalKVCacheRef(0, 16)] * n_refs],
     )
     table = ptrres.PointerTable(kv)
-    offloaded = ptrres.OffloadedLayout([torch.zeros(n_blocks, 16, dtype=torch.int8)], 1)
+    offloaded = ptrres.OffloadedLayout([zeros(n_blocks, 16)], 1)
     spec = ptrres.GPULoadStoreSpec(rng.integers(0, n_blocks, n_ids), [n_ids], [0])
     chunk_ids = rng.integers(0, n_blocks, n_ids)
     out3 = (
@@ -142,9 +141,9 @@ def build_calls() -> list[tuple[Callable[..., Any], Any]]:
 
     Each call takes the thread's out= buffers (or None) and returns arrays.
     """
-    tensors = [random_tensor(40, 16, t % 2, torch.int8, t) for t in range(3)]
+    tensors = [random_tensor(40, 16, t % 2, dtype_of("int8"), t) for t in range(3)]
     kv = ptrres.CanonicalKVCaches(
-        [ptrres.CanonicalKVCacheTensor(t, t.stride(0)) for t in tensors],
+        [ptrres.CanonicalKVCacheTensor(t, row_stride(t)) for t in tensors],
         [
             [ptrres.CanonicalKVCacheRef(0, 16), ptrres.CanonicalKVCacheRef(1, 16)],
             [ptrres.CanonicalKVCacheRef(2, 8)],
@@ -152,7 +151,7 @@ def build_calls() -> list[tuple[Callable[..., Any], Any]]:
     )
     table = ptrres.PointerTable(kv)
     offloaded = {
-        bpc: [torch.zeros(64, bpc * 16 + pad, dtype=torch.int8) for _ in range(3)]
+        bpc: [zeros(64, bpc * 16 + pad) for _ in range(3)]
         for bpc, pad in ((1, 0), (2, 0), (4, 8))
     }
     layouts = {bpc: ptrres.OffloadedLayout(t, bpc) for bpc, t in offloaded.items()}
