@@ -1,4 +1,5 @@
-"""Shared strategies and helpers: small KV-cache layouts built from torch tensors.
+"""Shared strategies and helpers: small KV-cache layouts built from torch tensors,
+or numpy arrays without torch, and helpers that read or build either.
 
 ``--without torch`` (CI's Python matrix, .ci/python-matrix) leaves out, by
 choice, the tests that need torch: the files, folders and tests NEEDS names,
@@ -52,7 +53,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 
 # What each `--without NAME` leaves out: files and folders of tests/ that
-# import it (torch: at the top, or through a harness), every test in them;
+# need it throughout (torch: CUDA tensors, or a harness), every test in them;
 # elsewhere, tests marked needs_<NAME>, tests that take a fixture of
 # FIXTURES_NEEDING, and the tests named here by id ("file::test[param]").
 NEEDS: dict[str, tuple[str, ...]] = {
