@@ -310,6 +310,25 @@ noise of each other.""",
         markdown=True,
     ),
     Section(
+        "vllm-startup",
+        "What the vLLM plugin costs at start-up, path by path",
+        """\
+[docs/vllm.md](vllm.md). Fresh interpreters with ptrres's entry point and
+without it (`VLLM_PLUGINS` naming only vLLM's own plugins), alternating,
+medians of wall and CPU time: `load_general_plugins()` where vLLM's
+offloading worker is already imported (`offloading`: ptrres patches the
+handler's path there and imports nothing of the NIXL connector), where
+nothing of vLLM's paths is (`api`), and vLLM's own import of its NIXL
+connector after it (`nixl`), inside which ptrres patches that path, timed
+on its own. Each path is patched when vLLM imports its modules, and only
+then (issue 35: before, a process that only offloaded paid 2755 ms for the
+NIXL connector's modules). The comment under the table says what each
+process had imported.""",
+        ("python", "benchmarks/vllm_startup.py"),
+        ("--rounds", "3"),
+        markdown=True,
+    ),
+    Section(
         "core-targets",
         "Resolver targets",
         """\
