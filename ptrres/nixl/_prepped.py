@@ -16,7 +16,7 @@ from .._args import block_ids_arg
 from .._diagnose import overlap_error, remote_ids_error, resolve_error
 from .._errors import InputTypeError, LayoutError, OutBufferError
 from .._groups import check_groups
-from .._heads import NHD, HeadSlice, check_slice
+from .._heads import HeadSlice, check_slice
 from .._kernels.common import BASE_PTR, NUM_BLOCKS, PAGE_SIZE, ROW_STRIDE
 from .._peer import PeerLayout
 from .._peer_plan import check_peer_layout, moved_refs, pair_peer
@@ -123,7 +123,7 @@ def _sliced(
     """A ref table's rows moved to one head slice of their pages (this
     engine's side for a table, the peer rank's for a peer layout)."""
     heads = check_slice(heads)
-    if isinstance(layout, PeerLayout) and layout.kv_layout == NHD:
+    if isinstance(layout, PeerLayout):
         check_peer_layout(layout, heads)
     local = isinstance(layout, PointerTable)
     slice_range = heads.local_range if local else heads.remote_range
