@@ -26,14 +26,114 @@ from ._args import as_int
 from ._errors import InputTypeError, LayoutError
 
 # Where a page's heads lie: outermost (one byte range per run of heads) or
-# innermost but for the channels (one fragment per token).
+# innermost but for the channels (one fragment per token). vLLM takes these
+# two as aliases of its LBHNC and LBNHC (VLLM_KV_CACHE_LAYOUT).
 HND = "HND"
 NHD = "NHD"
+
+# The page layouts ptrres reads, by name: its own HND and NHD, and vLLM's
+# KVCacheLayout members (vllm/v1/kv_cache_layout.py, the same in 0.30 to
+# 0.34), each a physical order of the logical [L, B, H, N, C] (layer, block,
+# head, token, content), which NixlAgentMetadata.kv_cache_layout names. The
+# value is None where a run of a page's heads is one byte range of the page
+# vLLM registers as a region (heads outermost in it), else why it is not.
+KV_LAYOUTS: dict[str, str | None] = {
+    HND: None,
+    NHD: "heads inside each token: a run of heads is one fragment per token",
+    # A region per layer, its page [H, N, C]: HND.
+    "LBHNC": None,
+    # A region per layer, its page [N, H, C]: NHD.
+    "LBNHC": "heads inside each token (NHD): a run of heads is one fragment per token",
+    # A layer is [H, B, N, C]: vLLM registers each head's plane of a layer
+    # as a region of its own (a page is one head of one block), so a run of
+    # heads is a choice of regions, not bytes of a page.
+    "LHBNC": "heads outside blocks: each head of a layer is a region of its "
+    "own, a page one head",
+    # Block rows of every layer, [B, L, H, N, C]: a region per layer whose
+    # page [H, N, C] is contiguous inside the row (stride the row): HND.
+    "BLHNC": None,
+    # Rows [B, L, N, H, C]: a layer's page is not contiguous, and vLLM
+    # registers whole rows, every layer's tokens, as one page.
+    "BLNHC": "heads inside each token of each layer (NHD), a whole block row "
+    "of every layer a page",
+    # Rows [B, H, L, N, C]: vLLM registers whole rows as one page, every
+    # layer of each head, and any padding of the row with it; the handshake
+    # does not say a row holds no padding, and vLLM does not head-split them.
+    "BHLNC": "a whole block row of every layer a page, heads outside layers "
+    "and the row's padding in it",
+}
+# What a head slice needs, in errors that refuse one.
+SLICEABLE = (
+    "head-slice pages whose heads are outermost (vLLM's kv_cache_layout LBHNC "
+    "or BLHNC, ptrres's 'HND'), or run both engines at the same TP (whole "
+    "pages, any layout)"
+)
+
+
+def check_kv_layout(kv_layout: Any, what: str = "kv_layout") -> str:
+    """A page layout's name, checked: one of KV_LAYOUTS.
+
+    Raises:
+        InputTypeError: anything else (another case, another type).
+    """
+    if not (isinstance(kv_layout, str) and kv_layout in KV_LAYOUTS):
+        raise InputTypeError(
+            f"{what} must be one of {', '.join(map(repr, KV_LAYOUTS))}, got "
+            f"{kv_layout!r}"
+        )
+    return str(kv_layout)
+
+
+def slices_heads(kv_layout: str | None) -> bool:
+    """Whether a run of some of a page's heads is one byte range of it in
+    pages of this layout (None: unknown, the caller's word that it is)."""
+    return kv_layout is None or KV_LAYOUTS[kv_layout] is None
 
 
 def rank_heads(tp_rank: int, tp_size: int, num_kv_heads: int) -> range:
     """The KV heads that rank ``tp_rank`` of an engine at TP ``tp_size``
-    holds, in the order its pages hold them (SPEC 15)."""
+    holds, in the order its pages hold them (SPEC 15).
+
+    Raises:
+        LayoutError: a rank outside its TP, a TP size or head count below 1,
+            or heads that do not split over the TP size (naming the numbers,
+            as tp_mapping does).
+        InputTypeError: an argument that is not an integer.
+    """
+    tp_rank, tp_size, num_kv_heads = (
+        as_int(value, name)
+        for value, name in (
+            (tp_rank, "tp_rank"),
+            (tp_size, "tp_size"),
+            (num_kv_heads, "num_kv_heads"),
+        )
+    )
+    check_rank(tp_rank, tp_size, num_kv_heads)
+    check_split(num_kv_heads, tp_size, "this engine")
+    return _rank_heads(tp_rank, tp_size, num_kv_heads)
+
+
+def check_rank(tp_rank: int, tp_size: int, num_kv_heads: int) -> None:
+    """Refuse a TP size or head count below 1, or a rank outside its TP."""
+    if min(tp_size, num_kv_heads) < 1:
+        raise LayoutError(
+            f"tp_size {tp_size} and num_kv_heads {num_kv_heads} must each be at least 1"
+        )
+    if not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"tp_rank {tp_rank} is not a rank of TP {tp_size}")
+
+
+def check_split(num_kv_heads: int, tp_size: int, side: str) -> None:
+    """Refuse heads that a TP size neither divides nor is divided by."""
+    if max(tp_size, num_kv_heads) % min(tp_size, num_kv_heads):
+        raise LayoutError(
+            f"{num_kv_heads} KV heads do not split over TP {tp_size} ({side}): "
+            "the TP size must divide the heads, or the heads the TP size"
+        )
+
+
+def _rank_heads(tp_rank: int, tp_size: int, num_kv_heads: int) -> range:
+    """rank_heads() of checked numbers."""
     if tp_size <= num_kv_heads:
         per_rank = num_kv_heads // tp_size
         return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
@@ -188,10 +288,13 @@ def tp_mapping(
         num_kv_heads: the model's KV heads over all ranks; each TP size splits
             them evenly (``H % T == 0``) or replicates them (``T % H == 0``).
         mla: replicated latent pages (MLA): one source rank, the whole page.
-        kv_layout: the pages' layout, ``"HND"`` (heads outermost) or ``"NHD"``
-            (heads inside each token), the same on both sides. A slice of the
-            heads is one byte range of an HND page only: NHD pages are refused
-            unless every slice is a whole page.
+        kv_layout: the pages' layout, the same on both sides: ``"HND"``
+            (heads outermost) or ``"NHD"`` (heads inside each token), or a
+            vLLM KVCacheLayout name (``"LBHNC"``, ``"LBNHC"``, ``"LHBNC"``,
+            ``"BLHNC"``, ``"BLNHC"``, ``"BHLNC"``: a PeerLayout's
+            ``kv_layout``). A slice of the heads is one byte range of HND,
+            LBHNC and BLHNC pages only: other layouts are refused unless
+            every slice is a whole page.
 
     Raises:
         LayoutError: a combination that cannot be, naming the numbers.
@@ -208,8 +311,7 @@ def tp_mapping(
     )
     if type(mla) is not bool:
         raise InputTypeError(f"mla must be True or False, got {mla!r}")
-    if not (isinstance(kv_layout, str) and kv_layout in (HND, NHD)):
-        raise InputTypeError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
+    kv_layout = check_kv_layout(kv_layout)
     if min(tp_size, peer_tp_size, num_kv_heads) < 1:
         raise LayoutError(
             f"tp_size {tp_size}, peer_tp_size {peer_tp_size} and num_kv_heads "
@@ -227,19 +329,14 @@ def tp_mapping(
         slices: tuple[HeadSlice, ...] = (HeadSlice(source, 0, 0, 1, 1, 1),)
     else:
         for side, size in (("this engine", tp_size), ("the peer", peer_tp_size)):
-            if max(size, num_kv_heads) % min(size, num_kv_heads):
-                raise LayoutError(
-                    f"{num_kv_heads} KV heads do not split over TP {size} ({side}): "
-                    "the TP size must divide the heads, or the heads the TP size"
-                )
+            check_split(num_kv_heads, size, side)
         slices = _head_slices(tp_rank, tp_size, peer_tp_size, num_kv_heads)
-        if kv_layout == NHD and not all(s.whole_page for s in slices):
+        if not slices_heads(kv_layout) and not all(s.whole_page for s in slices):
             raise LayoutError(
-                f"NHD pages: rank {tp_rank} of TP {tp_size} reads "
-                f"{slices[0].num_heads} of the {slices[0].remote_heads} heads of a "
-                f"page of TP {peer_tp_size}, which NHD pages hold as one fragment "
-                "per token; head-slice HND pages (vLLM's kv_cache_layout 'HND'), "
-                "or run both engines at the same TP"
+                f"{kv_layout} pages ({KV_LAYOUTS[kv_layout]}): rank {tp_rank} of "
+                f"TP {tp_size} reads {slices[0].num_heads} of the "
+                f"{slices[0].remote_heads} heads of a page of TP {peer_tp_size}, "
+                f"which are not one byte range of it; {SLICEABLE}"
             )
     return TPMapping(tp_rank, tp_size, peer_tp_size, num_kv_heads, mla, slices)
 
@@ -250,7 +347,7 @@ def _head_slices(
     """One slice per peer rank that gives this rank heads: the peer ranks
     whose heads overlap this rank's, each giving the heads no earlier one
     gave (so that of the ranks that share a head, the first reads it)."""
-    local = rank_heads(tp_rank, tp_size, num_kv_heads)
+    local = _rank_heads(tp_rank, tp_size, num_kv_heads)
     if tp_size >= peer_tp_size:
         # This rank's heads lie in one peer rank's (several of this
         # engine's ranks read one peer rank).
@@ -264,7 +361,7 @@ def _head_slices(
     next_head = local.start
     source = candidates.start
     while source < candidates.stop and next_head < local.stop:
-        held = rank_heads(source, peer_tp_size, num_kv_heads)
+        held = _rank_heads(source, peer_tp_size, num_kv_heads)
         first, stop = max(held.start, next_head), min(held.stop, local.stop)
         if first < stop:
             slices.append(

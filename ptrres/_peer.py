@@ -19,10 +19,13 @@ import numpy.typing as npt
 from ._args import as_int, as_list, attributes
 from ._errors import InputTypeError, LayoutError
 from ._geometry import ADDRESS_LIMIT, HOST
-from ._heads import HND, NHD
+from ._heads import KV_LAYOUTS, check_kv_layout
 from ._kernels.common import OFF_COLUMNS, REF_COLUMNS
 
 IntTable = npt.NDArray[np.int64]
+
+# The largest device a ref may be on: CUDA device indices are C ints.
+MAX_DEVICE = 2**31 - 1
 
 
 class PeerRef(NamedTuple):
@@ -53,27 +56,28 @@ class PeerLayout:
     order of this engine's ``group_data_refs`` (SPEC 14).
 
     Like a PointerTable it holds plain integers, checked once: each ref's
-    fields are integers, none negative, its page within its row stride and
-    its last block below 2**63. A plan between a table and a peer layout
-    checks that both have the same refs per group and the same page per ref,
-    then every local id against its own ref's tensor and every remote id
-    against the peer ref's ``num_blocks``.
+    fields are integers, none negative, its page within its row stride, its
+    last block below 2**63 and its device a C int. A plan between a table
+    and a peer layout checks that both have the same refs per group and the
+    same page per ref, then every local id against its own ref's tensor and
+    every remote id against the peer ref's ``num_blocks``.
 
     Args:
         group_refs: per group, its refs: PeerRefs, tuples of their fields, or
             objects with their attribute names.
-        kv_layout: the peer's page layout where known, ``"HND"`` or
-            ``"NHD"`` (SPEC 15): a plan that slices heads out of NHD pages is
-            refused. None: unknown (the caller's word, as with tp_mapping's).
+        kv_layout: the peer's page layout where known (SPEC 15): ptrres's
+            ``"HND"`` or ``"NHD"``, or the vLLM KVCacheLayout name its
+            handshake sends (``"LBHNC"``, ``"LBNHC"``, ``"LHBNC"``,
+            ``"BLHNC"``, ``"BLNHC"``, ``"BHLNC"``), kept as given. A plan
+            that slices some of a page's heads is refused unless they are
+            one byte range of it: HND, LBHNC and BLHNC pages. None: unknown
+            (the caller's word that its pages are HND, as with tp_mapping's
+            default).
     """
 
     def __init__(self, group_refs: Any, *, kv_layout: str | None = None) -> None:
-        if kv_layout is not None and not (
-            isinstance(kv_layout, str) and kv_layout in (HND, NHD)
-        ):
-            raise InputTypeError(
-                f"kv_layout must be 'HND', 'NHD' or None, got {kv_layout!r}"
-            )
+        if kv_layout is not None:
+            kv_layout = check_kv_layout(kv_layout, "kv_layout (or None)")
         self.kv_layout = kv_layout
         groups = [
             tuple(
@@ -133,19 +137,27 @@ class PeerLayout:
 
     @classmethod
     def from_nixl_metadata(cls, metadata: Any) -> PeerLayout:
-        """The peer layout a vLLM NIXL handshake describes (vLLM 0.30 to 0.33's
+        """The peer layout a vLLM NIXL handshake describes (vLLM 0.30 to 0.34's
         ``NixlAgentMetadata``, or any object with its fields), so that a
-        connector plans against what it received.
+        connector plans against what it received. Every number in it is the
+        peer's word, checked before it is used: a malformed or hostile
+        handshake raises a PtrresError (SPEC 15), nothing else.
 
         Read: ``kv_caches_base_addr``, ``block_lens`` and ``block_strides``
         (one region each: a ref), ``region_num_blocks`` (else ``num_blocks``
         for every region), ``region_group_ids`` (region r serves group
-        ``region_group_ids[r]``, or every group where -1; None or one group
-        id: one group), ``device_id`` and ``region_mem_types`` ("DRAM":
-        host; without them, the regions are VRAM of ``device_id``), and
-        ``kv_cache_layout``. Refused (LayoutError): Mamba state
-        (``ssm_sizes``), PLE conv state (``ple_block_len``), context
-        parallelism (``dcp_size``, ``pcp_size`` over 1) and packed regions
+        ``region_group_ids[r]``, below the number of regions, or every group
+        where -1; None or one group id: one group), ``device_id`` (a CUDA
+        device index) and ``region_mem_types`` ("DRAM": host; without them,
+        the regions are VRAM of ``device_id``), and ``kv_cache_layout``,
+        which every handshake must carry (vLLM's always does): a vLLM
+        KVCacheLayout name (``"LBHNC"``, ``"LBNHC"``, ``"LHBNC"``,
+        ``"BLHNC"``, ``"BLNHC"``, ``"BHLNC"``) or ptrres's ``"HND"`` /
+        ``"NHD"``, kept as the layout's ``kv_layout``; another string
+        (``"nhd"``, ``""``) is a LayoutError, another type or none an
+        InputTypeError. Refused (LayoutError): Mamba state (``ssm_sizes``),
+        PLE conv state (``ple_block_len``), context parallelism
+        (``dcp_size``, ``pcp_size`` over 1) and packed regions
         (``packed_member_layouts``), whose pages are not one block per row;
         fields of other lengths. Each region is its own registration
         (allocation None), as vLLM registers them. A region's blocks are the
@@ -164,23 +176,44 @@ class PeerLayout:
 
 # The memory a region of vLLM's handshake lies in (region_mem_types).
 MEM_TYPES = ("DRAM", "VRAM")
+# The fields of vLLM's NixlAgentMetadata that ptrres needs.
+HANDSHAKE_FIELDS = (
+    "kv_caches_base_addr",
+    "block_lens",
+    "block_strides",
+    "num_blocks",
+    "kv_cache_layout",
+)
 
 
-def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None]:
+def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str]:
     """A vLLM NixlAgentMetadata's regions as a PeerLayout's groups, and its
     page layout (PeerLayout.from_nixl_metadata)."""
-    fields = ("kv_caches_base_addr", "block_lens", "block_strides", "num_blocks")
-    bases, lens, strides, num_blocks = attributes(metadata, fields, "metadata")
+    bases, lens, strides, num_blocks, layout = attributes(
+        metadata, HANDSHAKE_FIELDS, "metadata"
+    )
+    kv_layout = handshake_layout(layout)
     bases, lens, strides = (
         as_list(value, f"metadata.{name}")
-        for value, name in zip((bases, lens, strides), fields)
+        for value, name in zip((bases, lens, strides), HANDSHAKE_FIELDS)
     )
-    dcp, pcp = (getattr(metadata, name, 1) for name in ("dcp_size", "pcp_size"))
+    num_blocks = as_int(num_blocks, "metadata.num_blocks")
+    dcp, pcp = (
+        as_int(getattr(metadata, name, 1), f"metadata.{name}")
+        for name in ("dcp_size", "pcp_size")
+    )
+    ssm_sizes = getattr(metadata, "ssm_sizes", None)
+    ssm_sizes = [
+        as_int(size, "metadata.ssm_sizes")
+        for size in (
+            [] if ssm_sizes is None else as_list(ssm_sizes, "metadata.ssm_sizes")
+        )
+    ]
     what = {
-        "ssm_sizes (Mamba state)": any(getattr(metadata, "ssm_sizes", None) or ()),
+        "ssm_sizes (Mamba state)": any(ssm_sizes),
         f"dcp_size {dcp}": dcp != 1,
         f"pcp_size {pcp}": pcp != 1,
-        "packed_member_layouts": bool(getattr(metadata, "packed_member_layouts", {})),
+        "packed_member_layouts": _has_entries(metadata, "packed_member_layouts"),
         "ple_block_len (PLE conv state)": getattr(metadata, "ple_block_len", None)
         is not None,
     }
@@ -191,14 +224,9 @@ def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None
             "of one KV page per block only"
         )
     n = len(bases)
-    counts, owners, mem_types = (
-        as_list(getattr(metadata, name, None) or [default] * n, f"metadata.{name}")
-        for name, default in (
-            ("region_num_blocks", num_blocks),
-            ("region_group_ids", 0),
-            ("region_mem_types", "VRAM"),
-        )
-    )
+    counts = _region_field(metadata, "region_num_blocks", num_blocks, n)
+    owners = _region_field(metadata, "region_group_ids", 0, n)
+    mem_types = _region_field(metadata, "region_mem_types", "VRAM", n)
     for name, values in (
         ("block_lens", lens),
         ("block_strides", strides),
@@ -217,29 +245,71 @@ def nixl_metadata_groups(metadata: Any) -> tuple[list[list[PeerRef]], str | None
             f"the peer's handshake has regions of memory {unknown[0]!r}: ptrres "
             "reads 'DRAM' and 'VRAM' regions"
         )
-    owners = [as_int(g, "metadata.region_group_ids") for g in owners]
-    if min(owners, default=0) < -1:
+    group_of = [as_int(g, "metadata.region_group_ids") for g in owners]
+    if group_of and not -1 <= min(group_of) <= max(group_of) < n:
         raise LayoutError(
-            f"the peer's handshake has region_group_ids {owners}: a region serves "
-            "a group (>= 0) or every group (-1)"
+            f"the peer's handshake has region_group_ids {group_of}: a region "
+            f"serves one group, numbered below its {n} regions, or every group (-1)"
         )
     device = as_int(getattr(metadata, "device_id", 0), "metadata.device_id")
+    if not 0 <= device <= MAX_DEVICE:
+        raise LayoutError(
+            f"the peer's handshake has device_id {device}: a CUDA device index, "
+            f"0 to {MAX_DEVICE}"
+        )
     refs = [
         PeerRef(base, stride, page, blocks, HOST if mem == "DRAM" else device)
         for base, page, stride, blocks, mem in zip(
             bases, lens, strides, counts, mem_types
         )
     ]
-    group_ids = sorted(set(owners) - {-1})
+    group_ids = sorted(set(group_of) - {-1})
     if len(group_ids) <= 1:  # vLLM maps no groups to regions: one group
         groups = [refs]
     else:
         groups = [
-            [ref for ref, owner in zip(refs, owners) if owner in (g, -1)]
+            [ref for ref, owner in zip(refs, group_of) if owner in (g, -1)]
             for g in range(group_ids[-1] + 1)
         ]
-    layout = getattr(metadata, "kv_cache_layout", None)
-    return groups, layout if isinstance(layout, str) and layout in (HND, NHD) else None
+    return groups, kv_layout
+
+
+def handshake_layout(layout: Any) -> str:
+    """A handshake's kv_cache_layout, checked: a name of KV_LAYOUTS."""
+    if not isinstance(layout, str):
+        raise InputTypeError(
+            "metadata.kv_cache_layout must be a vLLM KVCacheLayout name (a str), "
+            f"got {type(layout).__name__} {layout!r}"
+        )
+    if layout not in KV_LAYOUTS:
+        raise LayoutError(
+            f"the peer's handshake has kv_cache_layout {layout!r}: ptrres reads "
+            f"vLLM's KVCacheLayout names and its own HND and NHD "
+            f"({', '.join(KV_LAYOUTS)})"
+        )
+    return str(layout)
+
+
+def _region_field(metadata: Any, name: str, default: Any, n: int) -> list[Any]:
+    """A handshake's per-region field ``name`` as a list (``default`` for
+    each of the ``n`` regions where it is None or missing)."""
+    value = getattr(metadata, name, None)
+    return [default] * n if value is None else as_list(value, f"metadata.{name}")
+
+
+def _has_entries(metadata: Any, name: str) -> bool:
+    """Whether a handshake's field ``name`` (a mapping or sequence, or None)
+    holds anything."""
+    value = getattr(metadata, name, None)
+    if value is None:
+        return False
+    try:
+        return len(value) > 0
+    except TypeError:
+        raise InputTypeError(
+            f"metadata.{name} must be a mapping or a sequence, got "
+            f"{type(value).__name__}"
+        ) from None
 
 
 def _peer_ref(entry: Any, group: int, d: int) -> PeerRef:
@@ -290,8 +360,11 @@ def _peer_ref(entry: Any, group: int, d: int) -> PeerRef:
             f"{where} at 0x{base:x} ({blocks} blocks, {stride} B apart) does not "
             "lie below 2**63, the addresses ptrres computes"
         )
-    if device is not None and device < HOST:
-        raise LayoutError(f"{where}: device {device} is neither HOST (-1) nor a GPU")
+    if device is not None and not HOST <= device <= MAX_DEVICE:
+        raise LayoutError(
+            f"{where}: device {device} is neither HOST (-1) nor a GPU (0 to "
+            f"{MAX_DEVICE})"
+        )
     return PeerRef(base, stride, page, blocks, device, allocation)
 
 

@@ -22,7 +22,7 @@ from ._diagnose import failed_peer_plan_error
 from ._errors import InputTypeError, LayoutError, SpecError
 from ._geometry import Groups
 from ._groups import GroupCounts
-from ._heads import NHD, HeadSlice, check_slice
+from ._heads import KV_LAYOUTS, SLICEABLE, HeadSlice, check_slice, slices_heads
 from ._kernels.common import BASE_PTR, OFF_BASE_PTR, OFF_SUB_BYTES, PAGE_SIZE
 from ._peer import PeerLayout
 from ._plan import plan_scratch
@@ -123,12 +123,16 @@ def pair_peer(
 
 
 def check_peer_layout(peer: PeerLayout, heads: HeadSlice) -> None:
-    """Refuse a slice of some of the heads of a peer's NHD pages."""
-    if not heads.whole_page and peer.kv_layout == NHD:
+    """Refuse a slice of some of the heads of a peer's pages where they are
+    not one byte range of a page (NHD pages, vLLM's LBNHC, LHBNC, BLNHC and
+    BHLNC: KV_LAYOUTS says why for each)."""
+    layout = peer.kv_layout
+    if not heads.whole_page and not slices_heads(layout):
         raise LayoutError(
-            f"the peer's pages are NHD: the {heads.num_heads} of {heads.remote_heads} "
-            f"heads rank {heads.source_rank} gives are one fragment per token, not "
-            "one byte range; head-slice HND pages (vLLM's kv_cache_layout 'HND')"
+            f"the peer's pages are {layout} ({KV_LAYOUTS[str(layout)]}): the "
+            f"{heads.num_heads} of {heads.remote_heads} heads rank "
+            f"{heads.source_rank} gives are not one byte range of a page; "
+            f"{SLICEABLE}"
         )
 
 

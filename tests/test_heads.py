@@ -35,9 +35,14 @@ from test_peer import (
 import ptrres
 import ptrres.nixl
 from ptrres import reference
+from ptrres.reference._heads import rank_heads as reference_rank_heads
 
 TP_SIZES = (1, 2, 4, 8)
 KV_HEADS = (1, 2, 4, 8, 16)
+# Every page layout ptrres reads (ptrres's names, then vLLM's KVCacheLayout
+# members), and those whose runs of heads are one byte range of a page.
+LAYOUTS = ("HND", "NHD", "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+SLICEABLE_LAYOUTS = ("HND", "LBHNC", "BLHNC")
 
 
 def grid() -> list[tuple[int, int, int, bool]]:
@@ -117,17 +122,19 @@ def test_the_mapping_is_the_references_and_the_oracles_over_the_grid() -> None:
             )
             assert (mapping.num_kv_heads, mapping.mla) == (heads, mla)
             assert_mapping_holds(mapping, rank, tp, peer_tp, heads, mla)
-            # NHD pages: the same answer where every slice is a whole page,
-            # else refused by both.
-            if all(s.whole_page for s in mapping.slices):
-                nhd = ptrres.tp_mapping(
-                    rank, tp, peer_tp, heads, mla=mla, kv_layout="NHD"
-                )
-                assert nhd == mapping
-            else:
+            # Pages whose heads are not one byte range (NHD, and vLLM's
+            # layouts but LBHNC and BLHNC): the same answer where every slice
+            # is a whole page, else refused by both.
+            whole = all(s.whole_page for s in mapping.slices)
+            for layout in LAYOUTS:
+                if whole or layout in SLICEABLE_LAYOUTS:
+                    assert mapping == ptrres.tp_mapping(
+                        rank, tp, peer_tp, heads, mla=mla, kv_layout=layout
+                    )
+                    continue
                 for mapping_of in (ptrres.tp_mapping, reference.tp_mapping):
-                    with pytest.raises(ptrres.LayoutError, match="NHD"):
-                        mapping_of(rank, tp, peer_tp, heads, mla=mla, kv_layout="NHD")
+                    with pytest.raises(ptrres.LayoutError, match=f"{layout} pages"):
+                        mapping_of(rank, tp, peer_tp, heads, mla=mla, kv_layout=layout)
             checked += 1
     assert checked == 2 * len(KV_HEADS) * len(TP_SIZES) * sum(TP_SIZES)
 
@@ -772,6 +779,17 @@ def test_every_decode_rank_ends_with_its_shard_of_the_prefill_kv(
             "kv_layout",
         ),
         ((0, 2, 1, 4), {"kv_layout": "NHD"}, ptrres.LayoutError, "NHD pages"),
+        ((0, 2, 1, 4), {"kv_layout": "LBNHC"}, ptrres.LayoutError, "LBNHC pages"),
+        (
+            (1, 4, 2, 8),
+            {"kv_layout": "LHBNC"},
+            ptrres.LayoutError,
+            r"LHBNC pages \(heads outside blocks.* reads 2 of the 4 heads.* LBHNC",
+        ),
+        ((0, 1, 2, 8), {"kv_layout": "BLNHC"}, ptrres.LayoutError, "BLNHC pages"),
+        ((0, 2, 1, 2), {"kv_layout": "BHLNC"}, ptrres.LayoutError, "BHLNC pages"),
+        ((0, 2, 2, 4), {"kv_layout": "lbhnc"}, ptrres.InputTypeError, "'LBHNC'"),
+        ((0, 2, 2, 4), {"kv_layout": ""}, ptrres.InputTypeError, "kv_layout"),
     ],
 )
 def test_impossible_mappings_name_their_numbers(
@@ -803,6 +821,90 @@ EXTREMES = [-1, 0, 2**31, 2**63 - 1, 2**63, 2**100, -(2**100)]
 NOT_INTS = [None, True, 1.0, float("nan"), "3", b"3", [3], np.array([3]), object()]
 
 
+def test_rank_heads_is_the_references_and_the_oracles() -> None:
+    """Every rank of TP sizes up to 16 and heads up to 16 that split: the
+    oracle's shard, the reference's (head by head), and plain ints."""
+    checked = 0
+    for tp in range(1, 17):
+        for heads in range(1, 17):
+            if tp % heads and heads % tp:
+                continue
+            for rank in range(tp):
+                held = ptrres.rank_heads(rank, tp, heads)
+                assert list(held) == shard(rank, tp, heads, False)
+                assert held == reference_rank_heads(rank, tp, heads)
+                assert type(held.start) is int
+                checked += 1
+    assert checked == 570  # the (rank, tp, heads) of the loops that split
+    assert ptrres.rank_heads(np.int64(3), np.uint8(4), np.int32(8)) == range(6, 8)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "pattern"),
+    [
+        # Issue 40: each of these was an answer, or a ZeroDivisionError.
+        ((5, 4, 8), ptrres.LayoutError, "tp_rank 5 is not a rank of TP 4"),
+        ((-1, 2, 4), ptrres.LayoutError, "tp_rank -1 is not a rank of TP 2"),
+        ((0, 0, 8), ptrres.LayoutError, "tp_size 0 and num_kv_heads 8 must each"),
+        ((0, 2, 0), ptrres.LayoutError, "tp_size 2 and num_kv_heads 0 must each"),
+        ((0, -4, 8), ptrres.LayoutError, "tp_size -4"),
+        ((0, 3, 8), ptrres.LayoutError, "8 KV heads do not split over TP 3"),
+        ((0, 4, 6), ptrres.LayoutError, "6 KV heads do not split over TP 4"),
+        ((4, 4, 2), ptrres.LayoutError, "tp_rank 4 is not a rank of TP 4"),
+        ((0.0, 2, 4), ptrres.InputTypeError, "tp_rank must be an integer"),
+        ((0, True, 4), ptrres.InputTypeError, "tp_size must be an integer"),
+        ((0, 2, "4"), ptrres.InputTypeError, "num_kv_heads must be an integer"),
+        ((0, 2, np.float64(4)), ptrres.InputTypeError, "num_kv_heads must be"),
+        ((None, 2, 4), ptrres.InputTypeError, "tp_rank must be an integer"),
+    ],
+)
+def test_rank_heads_refuses_what_tp_mapping_refuses(
+    args: tuple[Any, ...], error: type, pattern: str
+) -> None:
+    """The checks and errors of tp_mapping, naming the numbers; the
+    reference raises the same class."""
+    with pytest.raises(error, match=pattern):
+        ptrres.rank_heads(*args)
+    with pytest.raises(error):
+        reference_rank_heads(*args)
+    if error is ptrres.LayoutError:  # tp_mapping refuses the same numbers
+        with pytest.raises(ptrres.LayoutError):
+            ptrres.tp_mapping(args[0], args[1], 1, args[2])
+
+
+@given(
+    st.integers(0, 2),
+    st.one_of(
+        st.integers(-3, 20), st.sampled_from(EXTREMES), st.sampled_from(NOT_INTS)
+    ),
+    st.tuples(*[st.sampled_from([0, 1, 2, 3, 4, 8])] * 3),
+)
+@example(0, 2**62, (0, 2**62, 2**61))  # huge but possible: ranks of one head
+@example(1, 2**63, (2**63 - 1, 0, 4))
+def test_any_input_to_rank_heads_is_the_references_answer_or_its_error(
+    position: int, hostile: Any, numbers: tuple[int, ...]
+) -> None:
+    """One argument of anything: heads of the rank, inside the model's, or
+    a PtrresError; the reference's answer or error where it can walk the
+    heads."""
+    args = list(numbers)
+    args[position] = hostile
+    small = all(not isinstance(a, int) or abs(a) <= 2**12 for a in args)
+    try:
+        held = ptrres.rank_heads(*args)
+    except ptrres.PtrresError as error:
+        if small:
+            with pytest.raises(type(error)):
+                reference_rank_heads(*args)
+        return
+    rank, tp, heads = (int(a) for a in args)
+    assert 0 <= held.start < held.stop <= heads
+    assert len(held) == max(1, heads // tp)
+    assert held.start == rank * heads // tp
+    if small:
+        assert held == reference_rank_heads(*args)
+
+
 @given(
     st.integers(0, 3),
     st.one_of(
@@ -810,7 +912,7 @@ NOT_INTS = [None, True, 1.0, float("nan"), "3", b"3", [3], np.array([3]), object
     ),
     st.tuples(*[st.sampled_from([0, 1, 2, 4, 8, 3, 6])] * 4),
     st.sampled_from([False, True, None, 0]),
-    st.sampled_from(["HND", "NHD", "nhd", None, 0]),
+    st.sampled_from(["HND", "NHD", "LBHNC", "LHBNC", "BHLNC", "nhd", None, 0]),
 )
 @example(2, 2**62, (0, 1, 4, 4), False, "HND")  # a peer TP of 2**62, 4 heads
 @example(1, 2**63, (0, 4, 1, 4), True, "NHD")
@@ -951,45 +1053,72 @@ def test_a_peer_page_of_other_bytes_per_head_is_refused(
         assert plan.remote.tolist()[2] == 2**20 + 2 * 2**12 + 4 * 2**9
 
 
-def test_nhd_pages_are_sliced_whole_or_not_at_all() -> None:
-    """A peer whose pages are NHD: a slice of some of its heads is refused
-    by plans and prepared lists (saying what works); a whole-page slice,
-    or none, plans as on HND pages."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pages_are_sliced_where_heads_are_a_byte_range(layout: str) -> None:
+    """A peer's pages of each layout: a slice of some of its heads plans as
+    on HND pages where they are one byte range of a page (HND, vLLM's LBHNC
+    and BLHNC), and is refused elsewhere by plans and prepared lists, naming
+    the layout and saying what works; a whole-page slice, or none, plans as
+    on HND pages whatever the layout."""
     _, table, hnd_peer = sliced_engines(2, 4)
-    nhd = ptrres.PeerLayout(hnd_peer.groups, kv_layout="NHD")
-    assert (nhd.kv_layout, hnd_peer.kv_layout) == ("NHD", None)
+    peer = ptrres.PeerLayout(hnd_peer.groups, kv_layout=layout)
+    assert (peer.kv_layout, hnd_peer.kv_layout) == (layout, None)
     part = ptrres.tp_mapping(1, 2, 1, 4).slices[0]
     spec = ptrres.GPULoadStoreSpec(np.array([1, 2, 3, 4]), [2, 2])
-    for call in (
-        lambda: table.plan_peer_transfer(spec, nhd, [5, 6, 7, 8], heads=part),
-        lambda: ptrres.nixl.prepped_pair(table, nhd, part),
-        lambda: ptrres.nixl.prepped_rows(nhd, heads=part),
-    ):
-        with pytest.raises(ptrres.LayoutError, match=r"NHD: the 2 of 4 heads .* HND"):
-            call()
+    calls = (
+        lambda: table.plan_peer_transfer(spec, peer, [5, 6, 7, 8], heads=part),
+        lambda: ptrres.nixl.prepped_pair(table, peer, part),
+        lambda: ptrres.nixl.prepped_rows(peer, heads=part),
+    )
+    if layout in SLICEABLE_LAYOUTS:
+        assert_same_plan(
+            calls[0](),
+            table.plan_peer_transfer(spec, hnd_peer, [5, 6, 7, 8], heads=part),
+        )
+        for rows, expected in zip(
+            ptrres.nixl.prepped_pair(table, peer, part),
+            ptrres.nixl.prepped_pair(table, hnd_peer, part),
+        ):
+            np.testing.assert_array_equal(rows.xfer_list, expected.xfer_list)
+    else:
+        for call in calls:
+            with pytest.raises(
+                ptrres.LayoutError,
+                match=rf"are {layout} \(.*\): the 2 of 4 heads .* LBHNC or BLHNC",
+            ):
+                call()
     sliced = table.plan_peer_transfer(spec, hnd_peer, [5, 6, 7, 8], heads=part)
     assert sliced.sizes.tolist() == [16] * 8
-    # Whole pages: the same plan with or without the slice, NHD or not.
+    # Whole pages: the same plan with or without the slice, any layout.
     _, same_table, same_peer = sliced_engines(4, 4)
-    nhd_same = ptrres.PeerLayout(same_peer.groups, kv_layout="NHD")
-    (whole,) = ptrres.tp_mapping(0, 2, 2, 8, kv_layout="NHD").slices
+    whole_pages = ptrres.PeerLayout(same_peer.groups, kv_layout=layout)
+    (whole,) = ptrres.tp_mapping(0, 2, 2, 8, kv_layout=layout).slices
     assert whole.whole_page
     plain = same_table.plan_peer_transfer(spec, same_peer, [5, 6, 7, 8])
-    for peer, heads in ((nhd_same, whole), (nhd_same, None), (same_peer, whole)):
+    for peer, heads in ((whole_pages, whole), (whole_pages, None), (same_peer, whole)):
         assert_same_plan(
             same_table.plan_peer_transfer(spec, peer, [5, 6, 7, 8], heads=heads), plain
         )
     layouts: tuple[Any, Any] = (same_table, same_peer)
-    for rows, layout in zip(
-        ptrres.nixl.prepped_pair(same_table, nhd_same, whole), layouts
+    for rows, side in zip(
+        ptrres.nixl.prepped_pair(same_table, whole_pages, whole), layouts
     ):
         np.testing.assert_array_equal(
-            rows.xfer_list, ptrres.nixl.prepped_rows(layout).xfer_list
+            rows.xfer_list, ptrres.nixl.prepped_rows(side).xfer_list
         )
-    bad_layouts: list[Any] = ["hnd", 0, np.array(["HND"])]
-    for bad in bad_layouts:
-        with pytest.raises(ptrres.InputTypeError, match="kv_layout must be"):
-            ptrres.PeerLayout(hnd_peer.groups, kv_layout=bad)
+
+
+@pytest.mark.parametrize(
+    "bad", ["hnd", "lbhnc", "LBHNC ", "", "KVCacheLayout.LBHNC", 0, b"HND"]
+)
+def test_a_peer_layout_of_no_known_layout_is_refused(bad: Any) -> None:
+    """Another case, another spelling, another type: refused, never read as
+    unknown; the names ptrres reads are listed."""
+    _, _, peer = sliced_engines()
+    with pytest.raises(ptrres.InputTypeError, match=r"kv_layout .*must be one of"):
+        ptrres.PeerLayout(peer.groups, kv_layout=bad)
+    with pytest.raises(ptrres.InputTypeError, match="'LBHNC', 'LBNHC'"):
+        ptrres.PeerLayout(peer.groups, kv_layout=np.array(["HND"]))  # type: ignore[arg-type]
 
 
 # vLLM's NIXL handshake ------------------------------------------------------
@@ -1061,12 +1190,75 @@ def test_a_handshake_is_the_peer_layout_it_describes() -> None:
         table.plan_peer_transfer(
             spec, nhd, [5, 6, 7, 8], heads=ptrres.tp_mapping(1, 2, 1, 4).slices[0]
         )
-    assert (
-        ptrres.PeerLayout.from_nixl_metadata(
-            handshake(peer, kv_cache_layout="LBHNC")
-        ).kv_layout
-        is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_handshakes_layout_is_the_peer_layouts(layout: str) -> None:
+    """Every layout vLLM sends (a KVCacheLayout name), and ptrres's own HND
+    and NHD, read as given; a slice of some heads plans where they are one
+    byte range of a page and is refused elsewhere (issue 40: LBNHC, vLLM's
+    NHD, was read as unknown and its slice planned); whole pages plan on
+    every layout."""
+    _, table, peer = sliced_engines(2, 4)
+    layout_peer = ptrres.PeerLayout.from_nixl_metadata(
+        handshake(peer, kv_cache_layout=layout)
     )
+    assert layout_peer.kv_layout == layout
+    assert type(layout_peer.kv_layout) is str
+    spec = ptrres.GPULoadStoreSpec(np.array([1, 2, 3, 4]), [2, 2])
+    part = ptrres.tp_mapping(0, 2, 1, 4).slices[0]
+    if layout in SLICEABLE_LAYOUTS:
+        assert_same_plan(
+            table.plan_peer_transfer(spec, layout_peer, [5, 6, 7, 8], heads=part),
+            table.plan_peer_transfer(spec, peer, [5, 6, 7, 8], heads=part),
+        )
+    else:
+        with pytest.raises(ptrres.LayoutError, match=f"are {layout} .* LBHNC"):
+            table.plan_peer_transfer(spec, layout_peer, [5, 6, 7, 8], heads=part)
+    _, same_table, same_peer = sliced_engines(4, 4)
+    whole_pages = ptrres.PeerLayout.from_nixl_metadata(
+        handshake(same_peer, kv_cache_layout=layout)
+    )
+    (whole,) = ptrres.tp_mapping(0, 2, 2, 8, kv_layout=layout).slices
+    assert_same_plan(
+        same_table.plan_peer_transfer(spec, whole_pages, [5, 6, 7, 8], heads=whole),
+        same_table.plan_peer_transfer(spec, same_peer, [5, 6, 7, 8]),
+    )
+
+
+@pytest.mark.parametrize(
+    ("layout", "error", "pattern"),
+    [
+        ("nhd", ptrres.LayoutError, "kv_cache_layout 'nhd': ptrres reads"),
+        ("lbnhc", ptrres.LayoutError, "kv_cache_layout 'lbnhc'"),
+        ("", ptrres.LayoutError, "kv_cache_layout '': .* LBHNC, LBNHC"),
+        ("KVCacheLayout.LBHNC", ptrres.LayoutError, "'KVCacheLayout.LBHNC'"),
+        ("LHNBC", ptrres.LayoutError, "'LHNBC'"),  # no member of vLLM's
+        (None, ptrres.InputTypeError, "kv_cache_layout must be .* NoneType"),
+        (0, ptrres.InputTypeError, "kv_cache_layout must be .* int 0"),
+        (b"LBHNC", ptrres.InputTypeError, "kv_cache_layout must be"),
+        (("LBHNC",), ptrres.InputTypeError, "kv_cache_layout must be"),
+    ],
+)
+def test_a_handshake_of_no_known_layout_is_refused(
+    layout: Any, error: type, pattern: str
+) -> None:
+    """An unknown or malformed kv_cache_layout is refused with the names
+    ptrres reads, never read as unknown."""
+    _, _, peer = sliced_engines()
+    with pytest.raises(error, match=pattern):
+        ptrres.PeerLayout.from_nixl_metadata(handshake(peer, kv_cache_layout=layout))
+
+
+def test_a_handshake_without_a_layout_is_refused() -> None:
+    """vLLM always sends kv_cache_layout (a field of NixlAgentMetadata
+    without a default in 0.30 to 0.34): a handshake without it is malformed,
+    refused as one without its regions is."""
+    _, _, peer = sliced_engines()
+    missing = handshake(peer)
+    del missing.kv_cache_layout
+    with pytest.raises(ptrres.InputTypeError, match="has no kv_cache_layout"):
+        ptrres.PeerLayout.from_nixl_metadata(missing)
 
 
 @pytest.mark.parametrize(
@@ -1136,6 +1328,27 @@ def test_region_group_ids_make_the_groups(
         ({"device_id": "cuda:0"}, ptrres.InputTypeError, "device_id"),
         ({"block_lens": [64, 32, 32, 32]}, ptrres.LayoutError, "larger than the row"),
         ({"kv_caches_base_addr": [-8] * 4}, ptrres.LayoutError, "none may be negative"),
+        # What issue 40's fuzz (test_peer_hostile) found: each raised
+        # another exception, was read as something else, or hung.
+        ({"ssm_sizes": float("nan")}, ptrres.InputTypeError, "ssm_sizes must be"),
+        ({"ssm_sizes": 5}, ptrres.InputTypeError, "ssm_sizes must be a sequence"),
+        ({"ssm_sizes": np.array([8, 0])}, ptrres.LayoutError, r"ssm_sizes \(Mamba"),
+        ({"ssm_sizes": (0, 1.5)}, ptrres.InputTypeError, "ssm_sizes must be an int"),
+        ({"packed_member_layouts": 5}, ptrres.InputTypeError, "packed_member"),
+        ({"region_group_ids": 0}, ptrres.InputTypeError, "region_group_ids must"),
+        ({"region_num_blocks": []}, ptrres.LayoutError, "but 0 region_num_blocks"),
+        ({"region_mem_types": 0}, ptrres.InputTypeError, "region_mem_types must"),
+        ({"dcp_size": 1.0}, ptrres.InputTypeError, "dcp_size must be an integer"),
+        ({"pcp_size": True}, ptrres.InputTypeError, "pcp_size must be an integer"),
+        ({"num_blocks": float("nan")}, ptrres.InputTypeError, "num_blocks must be"),
+        ({"device_id": -1}, ptrres.LayoutError, "device_id -1: a CUDA device"),
+        ({"device_id": 2**64}, ptrres.LayoutError, "device_id 18446744073709551616"),
+        (
+            {"region_group_ids": [0, 10**12, 1, 1]},
+            ptrres.LayoutError,
+            "numbered below its 4 regions",
+        ),
+        ({"region_group_ids": [0, 1, 4, 1]}, ptrres.LayoutError, "below its 4"),
     ],
 )
 def test_a_handshake_of_what_ptrres_cannot_read_is_refused(

@@ -21,7 +21,7 @@ from .._kernels.common import BASE_PTR, NUM_BLOCKS, PAGE_SIZE, ROW_STRIDE
 from .._peer import PeerLayout
 from .._peer_plan import check_peer_layout, moved_refs, pair_peer
 from .._table import PointerTable
-from ._memory import DRAM, Memory, memory_of
+from ._memory import Memory, memory_of
 
 # NIXL indices are C ints: a prepared list holds at most this many.
 MAX_PREPPED_DESCRIPTORS = 2**31 - 1
@@ -102,12 +102,7 @@ def prepped_pair(
 
 def _rows(table: npt.NDArray[np.int64], memory: Memory) -> PreppedRows:
     counts = table[:, NUM_BLOCKS]
-    if int(counts.sum()) > MAX_PREPPED_DESCRIPTORS:
-        raise LayoutError(
-            f"the refs hold {int(counts.sum())} blocks: a prepared list of one "
-            f"descriptor per block would pass NIXL's {MAX_PREPPED_DESCRIPTORS} "
-            "indices"
-        )
+    _check_descriptors(counts)
     rows = np.empty((len(table), 5), np.uint64)
     rows[:, 0] = table[:, BASE_PTR]
     rows[:, 1] = table[:, PAGE_SIZE]
@@ -115,6 +110,17 @@ def _rows(table: npt.NDArray[np.int64], memory: Memory) -> PreppedRows:
     rows[:, 3] = table[:, ROW_STRIDE]
     rows[:, 4] = counts
     return PreppedRows(rows, memory.mem_type)
+
+
+def _check_descriptors(counts: npt.NDArray[np.int64]) -> None:
+    """Refuse refs of more blocks than NIXL's int indices reach, summed
+    exactly (a peer's counts may be near 2**63 each: numpy's sum wraps)."""
+    total = sum(counts.tolist())
+    if total > MAX_PREPPED_DESCRIPTORS:
+        raise LayoutError(
+            f"the refs hold {total} blocks: a prepared list of one descriptor per "
+            f"block would pass NIXL's {MAX_PREPPED_DESCRIPTORS} indices"
+        )
 
 
 def _sliced(
@@ -232,8 +238,7 @@ def _index_table(layout: Any) -> npt.NDArray[np.int64]:
     table = _index_tables.get(layout)
     if table is None:
         counts = ref_table[:, NUM_BLOCKS]
-        if int(counts.sum()) > MAX_PREPPED_DESCRIPTORS:
-            _rows(ref_table, DRAM)  # raises the LayoutError
+        _check_descriptors(counts)
         table = ref_table.copy()
         table[:, BASE_PTR] = np.cumsum(counts) - counts
         _index_tables[layout] = table

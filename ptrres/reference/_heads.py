@@ -12,6 +12,46 @@ from .._errors import InputTypeError, LayoutError
 from .._heads import HND, NHD, HeadSlice, TPMapping
 from ._input import as_int
 
+# vLLM's KVCacheLayout names (vllm/v1/kv_cache_layout.py): the physical order
+# of the logical [L, B, H, N, C]; HND and NHD are vLLM's aliases of two.
+VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+ALIASES = {HND: "LBHNC", NHD: "LBNHC"}
+
+
+def read_layout(kv_layout: object) -> str:
+    """A layout's physical order, by its name (InputTypeError otherwise)."""
+    if not isinstance(kv_layout, str) or (
+        kv_layout not in VLLM_LAYOUTS and kv_layout not in ALIASES
+    ):
+        raise InputTypeError(f"kv_layout {kv_layout!r} is no layout's name")
+    return ALIASES.get(kv_layout, kv_layout)
+
+
+def heads_are_a_byte_range(kv_layout: str | None) -> bool:
+    """Whether a run of heads is one byte range of a page: a page is one
+    layer of one block (L and B outside H), its heads outside its tokens."""
+    if kv_layout is None:
+        return True
+    order = read_layout(kv_layout)
+    head = order.index("H")
+    return order.index("L") < head and order.index("B") < head < order.index("N")
+
+
+def rank_heads(tp_rank: int, tp_size: int, num_kv_heads: int) -> range:
+    """The heads rank ``tp_rank`` holds, walked one by one (as
+    ptrres.rank_heads)."""
+    names = ("tp_rank", "tp_size", "num_kv_heads")
+    tp_rank, tp_size, num_kv_heads = (
+        as_int(value, name)
+        for value, name in zip((tp_rank, tp_size, num_kv_heads), names)
+    )
+    if min(tp_size, num_kv_heads) < 1 or not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"no such rank or heads: {tp_rank, tp_size, num_kv_heads}")
+    if tp_size % num_kv_heads and num_kv_heads % tp_size:
+        raise LayoutError(f"{num_kv_heads} KV heads over TP {tp_size}")
+    mine = [h for h in range(num_kv_heads) if holds(tp_rank, tp_size, num_kv_heads, h)]
+    return range(mine[0], mine[-1] + 1)
+
 
 def holds(rank: int, tp_size: int, num_kv_heads: int, head: int) -> bool:
     """Whether rank ``rank`` of TP ``tp_size`` holds KV head ``head``."""
@@ -39,8 +79,7 @@ def tp_mapping(
     numbers = (tp_rank, tp_size, peer_tp_size, num_kv_heads)
     if type(mla) is not bool:
         raise InputTypeError(f"mla must be True or False, got {mla!r}")
-    if not (isinstance(kv_layout, str) and kv_layout in (HND, NHD)):
-        raise InputTypeError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
+    read_layout(kv_layout)
     if min(tp_size, peer_tp_size, num_kv_heads) < 1 or not 0 <= tp_rank < tp_size:
         raise LayoutError(f"no such rank or heads: {numbers}")
     if tp_size % peer_tp_size and peer_tp_size % tp_size:
@@ -75,8 +114,8 @@ def tp_mapping(
             slices.append(
                 HeadSlice(source, slot, theirs.index(h), 1, len(mine), len(theirs))
             )
-    if kv_layout == NHD and any(
+    if not heads_are_a_byte_range(kv_layout) and any(
         not s.num_heads == s.local_heads == s.remote_heads for s in slices
     ):
-        raise LayoutError(f"NHD pages cannot be head-sliced: {numbers}")
+        raise LayoutError(f"{kv_layout} pages cannot be head-sliced: {numbers}")
     return TPMapping(*numbers, mla, tuple(slices))
