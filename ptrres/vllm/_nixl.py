@@ -148,38 +148,39 @@ def patched_functions(
         try:
             checked = checked_desc_ids(self, arguments, patch)
         except Exception:  # a plugin never takes vLLM down: vLLM's own, then
-            _warn_once(
+            warn_once(
                 "ptrres: could not check this NIXL transfer's block ids; vLLM "
                 "builds its descriptor ids unchecked"
             )
             return original(self, *arguments)
         return original(self, *arguments) if checked is None else checked
 
-    def wrap(transfer_method: Callable[..., Any]) -> Callable[..., Any]:
-        """_read_blocks or _xfer_blocks: vLLM's, with the transfer named for
-        the log (both take request_id and dst_engine_id; vLLM passes them by
-        keyword)."""
-        names = list(inspect.signature(transfer_method).parameters)[1:]  # past self
-        request_at, engine_at = names.index("request_id"), names.index("dst_engine_id")
+    return _compute_desc_ids, wrap_transfer
 
-        @functools.wraps(transfer_method)
-        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            request = kwargs.get("request_id")
-            if request is None and request_at < len(args):
-                request = args[request_at]
-            engine = kwargs.get("dst_engine_id")
-            if engine is None and engine_at < len(args):
-                engine = args[engine_at]
-            _transfer.request_id, _transfer.remote_engine = request, engine
-            _transfer.calls = 0
-            try:
-                return transfer_method(self, *args, **kwargs)
-            finally:
-                _transfer.request_id = _transfer.remote_engine = None
 
-        return method
+def wrap_transfer(transfer_method: Callable[..., Any]) -> Callable[..., Any]:
+    """_read_blocks or _xfer_blocks: vLLM's, with the transfer named for the
+    log (both take request_id and dst_engine_id; vLLM passes them by
+    keyword). The same in every release 0.30 to 0.34."""
+    names = list(inspect.signature(transfer_method).parameters)[1:]  # past self
+    request_at, engine_at = names.index("request_id"), names.index("dst_engine_id")
 
-    return _compute_desc_ids, wrap
+    @functools.wraps(transfer_method)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        request = kwargs.get("request_id")
+        if request is None and request_at < len(args):
+            request = args[request_at]
+        engine = kwargs.get("dst_engine_id")
+        if engine is None and engine_at < len(args):
+            engine = args[engine_at]
+        _transfer.request_id, _transfer.remote_engine = request, engine
+        _transfer.calls = 0
+        try:
+            return transfer_method(self, *args, **kwargs)
+        finally:
+            _transfer.request_id = _transfer.remote_engine = None
+
+    return method
 
 
 def checked_desc_ids(
@@ -214,7 +215,7 @@ def checked_desc_ids(
     bad = first_bad_id(block_ids, layout)
     if bad is None:  # pragma: no cover (the fast checks and this disagree)
         return None
-    _log_bad_id(worker, bad)
+    log_bad_id(worker, bad)
     # vLLM's own shape and dtype (on ids numpy's int32 takes), every index one
     # NIXL refuses.
     sane = [[v if in_range(v, 2**31) else 0 for v in ids] for ids in block_ids]
@@ -229,21 +230,26 @@ def checked_desc_ids(
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         reporter().warning(message, exc_info=True)
 
 
-def _log_bad_id(worker: Any, bad: BadId) -> None:
+def transfer_side(worker: Any) -> tuple[str, Any]:
+    """Which side of which engine this _compute_desc_ids call is for, in the
+    transfer this thread sets up: ("?", "?") outside one."""
+    if _transfer.request_id is None:  # called outside a transfer
+        return "?", "?"
+    if _transfer.calls == 1:  # vLLM computes the remote side's first
+        return "remote", _transfer.remote_engine
+    return "local", getattr(worker, "engine_id", "?")
+
+
+def log_bad_id(worker: Any, bad: BadId) -> None:
     """One WARNING line: side, engine, request, group, position, value, and
     the region's count."""
-    if _transfer.request_id is None:  # called outside a transfer
-        side, engine = "?", "?"
-    elif _transfer.calls == 1:  # vLLM computes the remote side's first
-        side, engine = "remote", _transfer.remote_engine
-    else:
-        side, engine = "local", getattr(worker, "engine_id", "?")
+    side, engine = transfer_side(worker)
     reporter().warning(
         "ptrres: NIXL transfer of request %s: %s block id %r (engine %s, group %d, "
         "position %d) is out of range for region %d, of %d blocks; the request "
