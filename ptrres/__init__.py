@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         resolve_device_pointers,
     )
     from ._posix import read_files, write_files
+    from ._push import PushMapping, push_mapping, uncached_suffix
     from ._results import (
         DevicePointerGroupInfo,
         DevicePointers,
@@ -83,6 +84,7 @@ __all__ = [
     "PeerTransferPlan",
     "PointerTable",
     "PtrresError",
+    "PushMapping",
     "RemoteBlockIdError",
     "SpecError",
     "StridedTransferPlan",
@@ -93,10 +95,12 @@ __all__ = [
     "coalesce",
     "iter_pointer_groups",
     "plan_file_ops",
+    "push_mapping",
     "rank_heads",
     "read_files",
     "resolve_device_pointers",
     "tp_mapping",
+    "uncached_suffix",
     "warmup",
     "write_files",
 ]
@@ -126,6 +130,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "resolve_device_pointers",
     ),
     "_posix": ("read_files", "write_files"),
+    "_push": ("PushMapping", "push_mapping", "uncached_suffix"),
     "_results": (
         "DevicePointerGroupInfo",
         "DevicePointers",

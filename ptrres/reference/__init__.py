@@ -17,7 +17,9 @@ and result types: _resolve (resolve_device_pointers, iter_pointer_groups),
 _plans (plan_transfer), _coalesce, _files (plan_file_ops), _canonical
 (plan_canonical_transfer, plan_strided_transfer), _peer (plan_peer_transfer
 and prepped_indices: peer transfers, NIXL's prepared-list indices), _heads
-(tp_mapping: different TP on the two sides, head by head), _execute
+(tp_mapping: different TP on the two sides, head by head), _push
+(push_mapping, uncached_suffix: the writing side of different TP, head by
+head), _execute
 (execute, execute_descriptors: a plan applied to host memory, one memmove per
 descriptor, in order) and _input, the input checks they share.
 """
@@ -29,6 +31,7 @@ from ._files import plan_file_ops
 from ._heads import tp_mapping
 from ._peer import plan_peer_transfer, prepped_indices
 from ._plans import plan_transfer
+from ._push import push_mapping, uncached_suffix
 from ._resolve import iter_pointer_groups, resolve_device_pointers
 
 __all__ = [
@@ -42,6 +45,8 @@ __all__ = [
     "plan_strided_transfer",
     "plan_transfer",
     "prepped_indices",
+    "push_mapping",
     "resolve_device_pointers",
     "tp_mapping",
+    "uncached_suffix",
 ]
