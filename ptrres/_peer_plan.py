@@ -76,6 +76,9 @@ def pair_peer(
         raise InputTypeError(f"peer must be a PeerLayout, got {type(peer).__name__}")
     if heads is not None:
         heads = check_slice(heads)
+        # First: a layout that cannot be sliced (LHBNC's regions are heads,
+        # and would also differ in number) says so, and what would work.
+        check_peer_layout(peer, heads)
     if peer.group_data_ref_counts != ref_counts:
         raise LayoutError(
             f"the peer has refs per group {peer.group_data_ref_counts}, but this "
@@ -101,8 +104,6 @@ def pair_peer(
                     f"the peer's is {remote_page} B: a peer transfer copies the "
                     "same page on both sides (or a head slice of them: heads=)"
                 )
-    if heads is not None:
-        check_peer_layout(peer, heads)
     if heads is None or heads.whole_page:
         group_bytes = tuple(sum(r.page_size_bytes for r in refs) for refs in ref_rows)
         return PeerPair(

@@ -1,7 +1,7 @@
 """ptrres.tp_mapping against vLLM's own different-TP math (issue 34, SPEC 15),
 with the head oracle (tests/head_oracle.py) as the judge.
 
-vLLM's NIXL connector (0.30 to 0.33) maps a decode rank to the prefill ranks
+vLLM's NIXL connector (0.30 to 0.34) maps a decode rank to the prefill ranks
 it reads in ``nixl/tp_mapping.py``'s ``compute_tp_mapping`` (0.33 moves the
 offset into ``compute_head_offset``) and turns the mapping into descriptors
 in ``base_worker``: the local page (``_build_fa_local``), split per source
@@ -25,6 +25,13 @@ handshake (``_validate_remote_agent_handshake``) refuses a prefill TP larger
 than both the decode TP and the KV heads for a model that is neither MLA nor
 hybrid with Mamba; ptrres refuses none of this grid. test_summary prints the
 figures.
+
+Then the handshakes each release writes (issue 40), one per KV-cache layout,
+built by the release's own code (tests/vllm/handshakes.py): read by
+PeerLayout.from_nixl_metadata as sent, and the bytes they describe moved
+between engines of different TP where a run of heads is one byte range of a
+page (LBHNC, BLHNC), refused elsewhere, and moved whole at equal TP on every
+layout.
 """
 
 from __future__ import annotations
@@ -43,11 +50,14 @@ import pytest
 # Where vLLM is missing, "vllm" would be found as tests/vllm (a namespace
 # package): skip there; where it is installed, its NIXL modules must import.
 pytest.importorskip("vllm.v1")
+import handshakes
+import torch
 import vllm
 from head_oracle import logical_kv, rank_pages, shard
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 import ptrres
+from ptrres import reference
 
 # vLLM's modules, untyped: what they hold differs between the releases.
 NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
@@ -73,7 +83,15 @@ MAPPING_PARAMETERS = {
         "head_sharded_kv_heads",
     ],
 }
-HAS_HEAD_OFFSET = {"0.30": False, "0.31": False, "0.32": False, "0.33": True}
+# 0.34's tp_mapping.py is 0.33's, unchanged.
+MAPPING_PARAMETERS["0.34"] = MAPPING_PARAMETERS["0.33"]
+HAS_HEAD_OFFSET = {
+    "0.30": False,
+    "0.31": False,
+    "0.32": False,
+    "0.33": True,
+    "0.34": True,
+}
 
 TP_SIZES = (1, 2, 4, 8)
 KV_HEADS = (1, 2, 4, 8, 16)
@@ -640,3 +658,183 @@ def test_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(all_) == len(TP_SIZES) * sum(TP_SIZES) * len(KV_HEADS) * 2
     differing = [o for o in all_ if not o.agree]
     assert len(text.splitlines()) == 4 + len(differing)
+
+
+# --- handshakes as each release writes them (issue 40) -----------------------
+#
+# tests/vllm/handshakes.py builds each engine with the release's own code:
+# the layout asked for with VLLM_KV_CACHE_LAYOUT and resolved by the engine
+# core, the cache planned and allocated for it, its regions registered and
+# its NixlAgentMetadata built by the NIXL worker's register_kv_caches.
+
+# Every KVCacheLayout member of vLLM 0.30 to 0.34, and those whose runs of
+# heads ptrres slices as one byte range of a page.
+VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+SLICEABLE = ("LBHNC", "BLHNC")
+# Bytes of one KV head of one block: K and V of BLOCK_SIZE tokens, float16.
+HEAD_PAGE = 2 * handshakes.BLOCK_SIZE * handshakes.HEAD_SIZE * 2
+# Each decode block's prefill block (a permutation: a block mixed up shows).
+LOCAL_IDS = [0, 1, 2, 3]
+REMOTE_IDS = [2, 0, 3, 1]
+
+
+def regions(layout: str, heads: int) -> list[tuple[int, int]]:
+    """``(block_lens, block_strides)`` of each region a rank of ``heads``
+    heads registers (what register_kv_caches makes of each layout): a
+    region per layer, its page a block of it (LBHNC, LBNHC); a region per
+    layer and head, its page one head of a block (LHBNC, heads outside
+    blocks); a region per layer, its page inside the block row of every
+    layer (BLHNC); one region of whole block rows (BLNHC, BHLNC, whose
+    layer pages are not contiguous)."""
+    page = heads * HEAD_PAGE
+    row = handshakes.NUM_LAYERS * page
+    if layout in ("LBHNC", "LBNHC"):
+        return [(page, page)] * handshakes.NUM_LAYERS
+    if layout == "LHBNC":
+        return [(HEAD_PAGE, HEAD_PAGE)] * (handshakes.NUM_LAYERS * heads)
+    if layout == "BLHNC":
+        return [(page, row)] * handshakes.NUM_LAYERS
+    return [(row, row)]
+
+
+def test_every_layout_vllm_sends_is_read_as_sent() -> None:
+    """The release's layouts are the six of issue 40; the handshake carries
+    the name the engine core resolved (never "HND" or "NHD": those are
+    vLLM's aliases of LBHNC and LBNHC), and ptrres reads it as sent, with
+    the regions the worker registered."""
+    assert handshakes.LAYOUTS == VLLM_LAYOUTS
+    assert handshakes.worker_reads_the_resolved_layout()
+    asked = [("HND", "LBHNC"), ("NHD", "LBNHC"), *zip(VLLM_LAYOUTS, VLLM_LAYOUTS)]
+    for requested, sent in asked:
+        with handshakes.engine(requested, 4) as prefill:
+            message = prefill.handshake
+            assert type(message) is handshakes.metadata.NixlAgentMetadata
+            assert (prefill.layout, message.kv_cache_layout) == (sent, sent)
+            peer = ptrres.PeerLayout.from_nixl_metadata(message)
+            assert peer.kv_layout == sent
+            (refs,) = peer.groups
+            assert [(r.page_size_bytes, r.row_stride_bytes) for r in refs] == regions(
+                sent, 4
+            ), sent
+            assert [(r.base_ptr, r.num_blocks, r.device) for r in refs] == [
+                (base, handshakes.NUM_BLOCKS, -1)
+                for base in message.kv_caches_base_addr
+            ]
+
+
+def fill(engine: handshakes.Engine, seed: int) -> list[torch.Tensor]:
+    """The engine's KV, one logical [B, H, N, C] tensor per layer of exact
+    float16 values, written through vLLM's own views."""
+    generator = torch.Generator().manual_seed(seed)
+    logical = []
+    for cache in engine.caches:
+        values = torch.randint(-2000, 2000, cache.shape, generator=generator)
+        cache.copy_(values.to(cache.dtype))
+        logical.append(values.to(cache.dtype))
+    return logical
+
+
+def read(plan: ptrres.PeerTransferPlan, *engines: handshakes.Engine) -> None:
+    """A pull (NIXL READ): the peer's bytes into this rank's, each copy
+    inside the engines' allocations."""
+    reference.execute_descriptors(
+        plan.remote,
+        plan.local,
+        plan.sizes,
+        within=[engine.allocation() for engine in engines],
+    )
+
+
+def received(
+    decode: handshakes.Engine, logical: list[torch.Tensor], heads: range
+) -> bool:
+    """Whether every decode block holds its prefill block's ``heads``, in
+    every layer (vLLM's views, read logically)."""
+    return all(
+        torch.equal(cache[local], layer[remote, heads.start : heads.stop])
+        for cache, layer in zip(decode.caches, logical)
+        for local, remote in zip(LOCAL_IDS, REMOTE_IDS)
+    )
+
+
+def assert_refused(
+    layout: str,
+    table: ptrres.PointerTable,
+    peer: ptrres.PeerLayout,
+    heads: ptrres.HeadSlice,
+) -> None:
+    """tp_mapping, plans and prepared lists refuse a slice of some heads of
+    the layout's pages, naming it and what works."""
+    rank = heads.source_rank
+    with pytest.raises(ptrres.LayoutError, match=f"{layout} pages"):
+        ptrres.tp_mapping(rank, 2, 1, 4, kv_layout=layout)
+    spec = ptrres.GPULoadStoreSpec(np.array(LOCAL_IDS), [len(LOCAL_IDS)])
+    refusal = f"are {layout} .* LBHNC or BLHNC"
+    with pytest.raises(ptrres.LayoutError, match=refusal):
+        table.plan_peer_transfer(spec, peer, REMOTE_IDS, heads=heads)
+    with pytest.raises(ptrres.LayoutError, match=refusal):
+        ptrres.nixl.prepped_pair(table, peer, heads)
+    with pytest.raises(ptrres.LayoutError, match=refusal):
+        ptrres.nixl.prepped_rows(peer, heads=heads)
+
+
+@pytest.mark.parametrize("layout", VLLM_LAYOUTS)
+def test_head_slices_move_each_ranks_heads_or_are_refused(layout: str) -> None:
+    """Prefill TP 1 (4 heads) to decode TP 2 (2 heads a rank), each engine
+    allocated and registered by vLLM for the layout: where a run of heads is
+    one byte range of a page (LBHNC, BLHNC), each decode rank's plan against
+    the prefill handshake moves exactly its heads of every block and layer;
+    elsewhere tp_mapping, plans and prepared lists refuse the slice, naming
+    the layout and what works, and nothing moves. Read as "unknown" (issue
+    40's defect), LBNHC's and BLNHC's slices would have moved other bytes;
+    BHLNC's, of rows without padding as here, the right ones (it is refused
+    because a row's padding lies in its page, which no handshake tells)."""
+    spec = ptrres.GPULoadStoreSpec(np.array(LOCAL_IDS), [len(LOCAL_IDS)])
+    with handshakes.engine(layout, 4) as prefill:
+        logical = fill(prefill, seed=len(layout) + VLLM_LAYOUTS.index(layout))
+        peer = ptrres.PeerLayout.from_nixl_metadata(prefill.handshake)
+        for rank in range(2):
+            (heads,) = ptrres.tp_mapping(rank, 2, 1, 4).slices
+            mine = ptrres.rank_heads(rank, 2, 4)
+            with handshakes.engine(layout, 2, tp_size=2) as decode:
+                table = decode.table()
+                if layout in SLICEABLE:
+                    assert ptrres.tp_mapping(
+                        rank, 2, 1, 4, kv_layout=layout
+                    ).slices == (heads,)
+                    plan = table.plan_peer_transfer(spec, peer, REMOTE_IDS, heads=heads)
+                    read(plan, decode, prefill)
+                    assert received(decode, logical, mine), (layout, rank)
+                    continue
+                assert_refused(layout, table, peer, heads)
+                assert all(not cache.any() for cache in decode.caches)
+                unknown = ptrres.PeerLayout(peer.groups, kv_layout=None)
+                if layout == "LHBNC":  # a region per head: 8 here, 4 there
+                    with pytest.raises(
+                        ptrres.LayoutError, match=r"\(8,\), but .* \(4,\)"
+                    ):
+                        table.plan_peer_transfer(spec, unknown, REMOTE_IDS, heads=heads)
+                    continue
+                plan = table.plan_peer_transfer(spec, unknown, REMOTE_IDS, heads=heads)
+                read(plan, decode, prefill)
+                assert received(decode, logical, mine) == (layout == "BHLNC"), layout
+
+
+@pytest.mark.parametrize("layout", VLLM_LAYOUTS)
+def test_whole_pages_move_on_every_layout(layout: str) -> None:
+    """At equal TP every page is whole: on every layout, a plan against the
+    prefill handshake (without a slice, or with tp_mapping's whole-page
+    one) moves every head of every block and layer."""
+    spec = ptrres.GPULoadStoreSpec(np.array(LOCAL_IDS), [len(LOCAL_IDS)])
+    (whole,) = ptrres.tp_mapping(0, 1, 1, 4, kv_layout=layout).slices
+    assert whole.whole_page
+    with handshakes.engine(layout, 4) as prefill:
+        logical = fill(prefill, seed=7)
+        peer = ptrres.PeerLayout.from_nixl_metadata(prefill.handshake)
+        for heads in (None, whole):
+            with handshakes.engine(layout, 4) as decode:
+                plan = decode.table().plan_peer_transfer(
+                    spec, peer, REMOTE_IDS, heads=heads
+                )
+                read(plan, decode, prefill)
+                assert received(decode, logical, range(4)), (layout, heads)
