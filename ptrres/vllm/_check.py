@@ -1,14 +1,14 @@
 """What ``ptrres check`` says of vLLM and of the plugin's switches: the vLLM
 found and whether it is a tested release, whether vLLM sees the plugin's
-entry point, each of vLLM's paths on a line of its own (patched, waiting for
-vLLM to import it, left alone and why, or switched off), and the switches
+entry point, each of vLLM's paths on a line of its own (patched, and on an
+untested release whose tested code it has; waiting for vLLM to import it;
+left alone and why; not in this vLLM; or switched off), and the switches
 PTRRES_VLLM, PTRRES_VLLM_COALESCE and PTRRES_VLLM_NIXL. ``ptrres._operator``
 adds Numba's findings and prints them all; a Finding is one line of that
 report.
 
 Importing this module imports neither vLLM nor numba: the findings import
-vLLM's modules only where a tested vLLM is installed, each path's as vLLM
-imports it.
+vLLM's modules only where vLLM is installed, each path's as vLLM imports it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from ._release import (
     PATH_TRIGGERS,
     SIMPLE_BACKEND_MODULES,
     SIMPLE_MODULE,
-    SUPPORTED_VERSION,
     SUPPORTED_VLLM,
 )
 
@@ -39,8 +38,10 @@ PATH_TOPICS = (*_state.PATHS, "PTRRES_VLLM_NIXL")
 class Finding:
     """One line of `ptrres check`: what was looked at, and what was found."""
 
-    # "ok"; "warn" (the plugin patches, but something costs time); "no" (the
-    # plugin will not patch); "off" (a switch is off, by choice).
+    # "ok"; "warn" (the plugin patches, but something costs time or is
+    # untested); "no" (the plugin will not patch); "off" (a switch is off, by
+    # choice); "wait" (a path patched once vLLM imports it); "none" (this
+    # vLLM has no such path).
     status: str
     topic: str
     detail: str
@@ -53,16 +54,21 @@ def vllm_findings() -> list[Finding]:
     import importlib.util
 
     findings = []
-    tested = ", ".join(f"{release}.x" for release in SUPPORTED_VLLM)
+    tested = ", ".join(SUPPORTED_VLLM)
     try:
         version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         version = None
     if version is None:
         findings.append(Finding("no", "vLLM", f"not installed here (tested: {tested})"))
-    elif SUPPORTED_VERSION.match(version) is None:
+    elif version not in SUPPORTED_VLLM:
         findings.append(
-            Finding("no", "vLLM", f"{version}, not a tested release ({tested})")
+            Finding(
+                "warn",
+                "vLLM",
+                f"{version}, not a tested release ({tested}): each path is "
+                "patched where its code is a tested release's",
+            )
         )
     else:
         where = importlib.util.find_spec("vllm")
@@ -104,7 +110,7 @@ def vllm_findings() -> list[Finding]:
                 )
             )
 
-    if version is not None and findings[0].status == "ok":
+    if version is not None:
         findings += path_findings()
     return findings
 
@@ -129,6 +135,14 @@ def path_findings() -> list[Finding]:
                 trigger = PATH_TRIGGERS[path][0]
                 try:
                     importlib.import_module(trigger)
+                except ModuleNotFoundError as error:
+                    if error.name is not None and (
+                        trigger == error.name or trigger.startswith(f"{error.name}.")
+                    ):  # this vLLM has no such module: absent, not broken
+                        patch_path(path)
+                        continue
+                    unimportable[path] = f"{trigger} cannot be imported ({error!r})"
+                    continue
                 except Exception as error:  # its own imports may fail
                     unimportable[path] = f"{trigger} cannot be imported ({error!r})"
                     continue
@@ -160,6 +174,8 @@ def path_finding(state: PathState) -> Finding:
         )
     if state.status == "left alone":
         return Finding("no", state.path, f"left as vLLM has it: {state.detail[0]}")
+    if state.status == "absent":
+        return Finding("none", state.path, "not in this vLLM: nothing to patch")
     if state.status == "off":
         return Finding(
             "off", state.path, f"switched off ({state.detail[0]}): left as vLLM has it"
@@ -171,6 +187,12 @@ def _patched_detail(state: PathState) -> str:
     """What a patched path's line says: the attributes replaced, and when."""
     triggers = " or ".join(m.rpartition(".")[2] for m in PATH_TRIGGERS[state.path])
     when = f"once vLLM imports {triggers}"
+    match = state.match
+    if match is not None and match.by_fingerprint:
+        when += (
+            f" (vLLM {match.installed} is untested; its code here is "
+            f"{match.release}'s)"
+        )
     if state.path == _state.SIMPLE:
         modules = (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES)
         simple = [n for n in state.detail if n.rpartition(".")[0] in modules]
@@ -194,7 +216,7 @@ def summary(findings: Sequence[Finding]) -> tuple[int, str]:
     blocking = [
         f for f in findings if f.status in ("no", "off") and f.topic not in PATH_TOPICS
     ]
-    paths = [f for f in findings if f.topic in _state.PATHS]
+    paths = [f for f in findings if f.topic in _state.PATHS and f.status != "none"]
     patched = [f.topic for f in paths if f.status in ("ok", "wait")]
     if not blocking and paths and not patched:
         blocking = [f for f in paths if f.status == "no"] or paths

@@ -36,11 +36,11 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 RECORD_FILE = Path(__file__).with_name("fingerprints.json")
-MISSING = "missing"
-PRESENT = "present"
+MISSING: Final = "missing"
+PRESENT: Final = "present"
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,9 @@ class PathCode:
 Fingerprint = dict[str, str]
 
 
-def fingerprint(code: PathCode, original: Callable[[Any], Any] | None = None) -> Fingerprint:
+def fingerprint(
+    code: PathCode, original: Callable[[Any], Any] | None = None
+) -> Fingerprint:
     """The fingerprint of every locator of ``code`` in the vLLM imported here.
 
     Args:
@@ -70,9 +72,7 @@ def fingerprint(code: PathCode, original: Callable[[Any], Any] | None = None) ->
             patched it already (another path's binding), so that a patched
             vLLM fingerprints as vLLM's own.
     """
-    return {
-        locator: digest(find(locator), original) for locator in code.locators()
-    }
+    return {locator: digest(find(locator), original) for locator in code.locators()}
 
 
 def find(locator: str) -> Any:
@@ -146,19 +146,19 @@ def _block(lines: list[str], start: int) -> str:
     if not 0 <= start < len(lines):
         return "<no source>"
     indent = _indent(lines[start])
-    end = start + 1
+    body = start + 1
     # Past the decorators to the def or class line.
-    while end <= len(lines) and lines[end - 1].lstrip().startswith("@"):
-        end += 1
-    for end in range(end, len(lines)):
-        line = lines[end]
+    while body <= len(lines) and lines[body - 1].lstrip().startswith("@"):
+        body += 1
+    end = len(lines)
+    for index in range(body, len(lines)):
+        line = lines[index]
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
         if _indent(line) <= indent and not stripped.startswith(_CLOSING):
+            end = index
             break
-    else:
-        end = len(lines)
     return "".join(line.rstrip() + "\n" for line in lines[start:end]).rstrip() + "\n"
 
 
@@ -203,7 +203,8 @@ def differences(found: Mapping[str, str], recorded: Mapping[str, str]) -> list[s
         have, want = found.get(locator, MISSING), recorded[locator]
         if have == want:
             continue
-        name = locator.partition(":")[2]
+        module, _, qualname = locator.partition(":")
+        name = f"{module.rpartition('.')[2]}.{qualname}"
         if have == MISSING:
             phrases.append(f"{name} is missing")
         elif want == MISSING:

@@ -2,14 +2,29 @@
 ``SingleDirectionOffloadingHandler`` (``vllm/v1/kv_offload/cpu/gpu_worker.py``),
 with its descriptors built by ptrres.
 
-vLLM builds them with a numpy pass per group, ref and side, unchecked. The
-patched ``transfer_async`` builds the whole descriptor list with one ptrres
-plan, written straight into vLLM's own pooled pinned buffers, checking every
-id before anything is submitted. The patched ``__init__`` runs vLLM's own,
-then makes every ptrres kernel ready (``ptrres.warmup()``: loaded from
-Numba's cache, or compiled) and builds the handler's PointerTable and
-OffloadedLayout (its HandlerPlan), so that no transfer compiles or loads
-anything.
+vLLM builds them with a numpy pass per group, ref and side, unchecked.
+Patched, one ptrres plan builds the whole descriptor list, written straight
+into vLLM's own pooled pinned buffers, every id checked before anything is
+submitted. Two forms, one per shape of vLLM's handler:
+
+- 0.30 to 0.33: ``transfer_async(job_id, src_spec, dst_spec)`` takes GPU
+  block ids. The patched ``__init__`` runs vLLM's own, then makes every
+  ptrres kernel ready (``ptrres.warmup()``: loaded from Numba's cache, or
+  compiled) and builds the handler's PointerTable and OffloadedLayout (its
+  HandlerPlan), so that no transfer compiles or loads anything. A bad id
+  raises from ``transfer_async`` before anything is submitted.
+- 0.34: the connector resolves each job (``pointer_utils``) and hands the
+  handler ``DevicePointers``: ``transfer_async(job_id, device_ptrs,
+  cpu_spec)``. The handlers hold no GPU tensors: the patched
+  ``CPUOffloadingWorker.__init__`` runs vLLM's own, makes the kernels ready,
+  and builds one table from its KV caches (the one the connector's resolve
+  uses) and a plan per handler. DevicePointers that ptrres resolved with
+  that table are planned from their checked ids, in one compiled pass;
+  others from their pointers, each checked. A bad id, pointer or CPU chunk
+  id fails that job as 0.34 fails a job whose copy failed (a failed
+  ``Transfer``: the connector reports the store failed, or the load, and a
+  sync load raises there), with nothing copied, and the error (group,
+  position, value) in the log; the engine goes on.
 
 ``ptrres.vllm._patching`` decides what to replace and when, and sets
 ``vllm_transfer_async``; this module reads only the handler's attributes and,
@@ -22,11 +37,11 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _state
+from . import _pointers, _state
 from ._release import WORKER_MODULE
 from ._state import HANDLER
 from ._warmup import warm_up_kernels
@@ -40,13 +55,10 @@ if TYPE_CHECKING:
 # _DECLINED when ptrres could not plan for it.
 _STATE_ATTRIBUTE = "_ptrres_plan"
 _DECLINED = "declined"
-# What the patched transfer_async reads of a handler, which vLLM's __init__ sets.
-_HANDLER_ATTRIBUTES = (
+# What the patched transfer_async reads of a handler, which vLLM's __init__
+# sets: in 0.30 to 0.33, and in 0.34.
+_SUBMIT_ATTRIBUTES = (
     "gpu_to_cpu",
-    "src_tensors",
-    "dst_tensors",
-    "src_blocks_per_chunk",
-    "dst_blocks_per_chunk",
     "layer_refs_per_group",
     "_canonical_copy_plans",
     "_swap_blocks_batch",
@@ -56,6 +68,16 @@ _HANDLER_ATTRIBUTES = (
     "_transfers",
     "_transfer_events",
 )
+_HANDLER_ATTRIBUTES = (
+    *_SUBMIT_ATTRIBUTES,
+    "src_tensors",
+    "dst_tensors",
+    "src_blocks_per_chunk",
+    "dst_blocks_per_chunk",
+)
+_HANDLER_034_ATTRIBUTES = (*_SUBMIT_ATTRIBUTES, "cpu_tensors", "blocks_per_chunk")
+# CPUOffloadingWorker's three handlers (0.34).
+_WORKER_HANDLERS = ("_store_handler", "_load_handler", "_expedited_load_handler")
 
 # vLLM's own transfer_async, kept past unpatch() for handlers whose transfers
 # vLLM builds (and for a patched method someone held on to). patch() sets it.
@@ -66,7 +88,8 @@ vllm_transfer_async: Any = None
 class HandlerPlan:
     """What one handler needs for its ptrres plans, built once per handler."""
 
-    # The handler's device tensors and refs, flattened.
+    # The device tensors and refs, flattened (0.34: shared by the worker's
+    # handlers and the connector's resolve).
     table: PointerTable
     # Its CPU tensors, in chunks of blocks_per_chunk device blocks.
     offloaded: OffloadedLayout
@@ -92,6 +115,9 @@ class HandlerPlan:
         return views
 
 
+# --- vLLM 0.30 to 0.33: transfer_async(job_id, src_spec, dst_spec) ----------
+
+
 def patched_init(vllm_init: Callable[..., None]) -> Callable[..., None]:
     """The handler's __init__: vLLM's own, then the kernels and the plan.
 
@@ -109,7 +135,8 @@ def patched_init(vllm_init: Callable[..., None]) -> Callable[..., None]:
 
 
 def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-    """vLLM's ``transfer_async``, its descriptors built by one ptrres plan.
+    """vLLM's ``transfer_async`` (0.30 to 0.33), its descriptors built by
+    one ptrres plan.
 
     Same descriptors, same num_bytes, same buffers, streams and events as
     vLLM's; but every GPU and CPU id is checked first: a bad one raises
@@ -127,13 +154,8 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
         gpu_spec, offloaded_ids = src_spec, dst_spec.block_ids
     else:
         gpu_spec, offloaded_ids = dst_spec, src_spec.block_ids
-    num_copy_ops = max_copy_ops(self, gpu_spec)
-
-    # A pooled buffer set, or a new one where the pool's is too small.
-    buffers = self._buffer_pool.pop() if self._buffer_pool else None
-    if buffers is None or buffers[0].numel() < num_copy_ops:
-        buffers = worker._new_descriptor_buffers(num_copy_ops)
-    batch_src, batch_dst, batch_sizes = buffers
+    num_copy_ops = max_copy_ops(self, getattr(gpu_spec, "group_sizes", None))
+    buffers = _take_buffers(self, worker, num_copy_ops)
     try:
         descriptors = plan.table.plan_transfer(
             gpu_spec,
@@ -146,54 +168,12 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     except BaseException:
         self._buffer_pool.append(buffers)
         raise
-    # A canonical store keeps only the blocks this rank writes: fewer ops than
-    # the buffers were sized for (vLLM's _estimate_max_copy_ops, an upper bound).
-    num_ops = len(descriptors.src)
-    src, dst, sizes = batch_src[:num_ops], batch_dst[:num_ops], batch_sizes[:num_ops]
-
-    # From here on, as vLLM submits: a pooled stream that waits for the compute
-    # stream and for the previous transfer, timed by two pooled events.
-    platform = worker.current_platform
-    stream = self._stream_pool.pop() if self._stream_pool else platform.Stream()
-    start_event = (
-        self._event_pool.pop()
-        if self._event_pool
-        else worker.torch.Event(enable_timing=True)
-    )
-    end_event = (
-        self._event_pool.pop()
-        if self._event_pool
-        else worker.torch.Event(enable_timing=True)
-    )
-    stream.wait_stream(platform.current_stream())
-    if self._transfers:
-        stream.wait_event(self._transfers[-1].end_event)
-    with platform.stream(stream):
-        start_event.record(stream)
-        if num_ops:
-            # Loads read host memory no GPU stream writes: any source order.
-            self._swap_blocks_batch(
-                src, dst, sizes, is_src_access_order_any=not self.gpu_to_cpu
-            )
-        end_event.record(stream)
-    self._transfer_events[job_id] = end_event
-    self._transfers.append(
-        worker.Transfer(
-            job_id=job_id,
-            stream=stream,
-            start_event=start_event,
-            end_event=end_event,
-            num_bytes=descriptors.num_bytes,
-            batch_src=batch_src,
-            batch_dst=batch_dst,
-            batch_sizes=batch_sizes,
-        )
-    )
+    _submit(self, worker, job_id, buffers, len(descriptors.src), descriptors.num_bytes)
     return True
 
 
 def _attach_plan(handler: Any, *, warm_up: bool = False) -> HandlerPlan | None:
-    """Build the handler's ptrres plan and keep it on the handler.
+    """Build a 0.30-0.33 handler's ptrres plan and keep it on the handler.
 
     With ``warm_up``, first make every kernel ready (warm_up_kernels). Where
     ptrres cannot plan for a handler (vLLM set other attributes than the
@@ -201,42 +181,29 @@ def _attach_plan(handler: Any, *, warm_up: bool = False) -> HandlerPlan | None:
     compile), the handler keeps vLLM's own transfers, and a warning says why:
     a plugin never takes vLLM down.
     """
-    try:
-        missing = [name for name in _HANDLER_ATTRIBUTES if not hasattr(handler, name)]
-        if missing:
-            raise AttributeError(f"the handler has no {', '.join(missing)}")
+
+    def build() -> HandlerPlan:
+        _require(handler, _HANDLER_ATTRIBUTES)
         if warm_up:
             warm_up_kernels()
         built = _handler_plan(handler)
         if warm_up:
             rehearse(handler, built)
-        plan: HandlerPlan | str = built
-    except Exception as error:
-        _state.reporter().warning(
-            "ptrres: this %s keeps vLLM's own transfers: %s",
-            type(handler).__name__,
-            error,
-            exc_info=not isinstance(error, (AttributeError, ValueError, TypeError)),
-        )
-        plan = _DECLINED
-    setattr(handler, _STATE_ATTRIBUTE, plan)
-    return None if isinstance(plan, str) else plan
+        return built
+
+    return _keep_plan(handler, build)
 
 
 def _handler_plan(handler: Any) -> HandlerPlan:
-    """The handler's ptrres state: its table, its offloaded layout, coalescing.
+    """A 0.30-0.33 handler's ptrres state: its table, its offloaded layout,
+    coalescing.
 
     Direct and canonical layouts alike: with ``canonical_layout=True`` the CPU
     rows hold canonical pages and the refs carry their CanonicalPageMapping,
     which the table reads, so plan_transfer() gives vLLM's
     ``_fill_canonical_ops`` descriptors (writer rotation included).
     """
-    from .. import (
-        CanonicalKVCaches,
-        CanonicalKVCacheTensor,
-        OffloadedLayout,
-        PointerTable,
-    )
+    from .. import CanonicalKVCaches, CanonicalKVCacheTensor, PointerTable
 
     if handler.gpu_to_cpu:
         device_tensors, cpu_tensors = handler.src_tensors, handler.dst_tensors
@@ -244,22 +211,11 @@ def _handler_plan(handler: Any) -> HandlerPlan:
     else:
         device_tensors, cpu_tensors = handler.dst_tensors, handler.src_tensors
         blocks_per_chunk = handler.src_blocks_per_chunk
-    offloaded = OffloadedLayout(
-        cpu_tensors,
-        blocks_per_chunk,
-        canonical=handler._canonical_copy_plans is not None,
-    )
     kv_caches = CanonicalKVCaches(
         [CanonicalKVCacheTensor(t, t.shape[1]) for t in device_tensors],
         handler.layer_refs_per_group,
     )
-    worker = sys.modules[WORKER_MODULE]
-    return HandlerPlan(
-        table=PointerTable(kv_caches),
-        offloaded=offloaded,
-        coalesce=_state.coalesce_requested()
-        and handler._swap_blocks_batch is worker.ops.swap_blocks_batch,
-    )
+    return _plan_of(handler, PointerTable(kv_caches), cpu_tensors, blocks_per_chunk)
 
 
 def rehearse(handler: Any, plan: HandlerPlan) -> None:
@@ -272,33 +228,292 @@ def rehearse(handler: Any, plan: HandlerPlan) -> None:
     the plan only computes pointers, into buffers of vLLM's own kind (int64,
     uint64 on XPU), and copies nothing.
     """
+    spec = _first_blocks(handler)
+    _rehearse_plan(handler, plan, spec)
+
+
+# --- vLLM 0.34: transfer_async(job_id, device_ptrs, cpu_spec) ---------------
+
+
+def patched_worker_init(vllm_init: Callable[..., None]) -> Callable[..., None]:
+    """CPUOffloadingWorker's __init__ (0.34): vLLM's own, then the kernels,
+    one table of its KV caches and a plan for each of its handlers."""
+
+    @functools.wraps(vllm_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        vllm_init(self, *args, **kwargs)
+        if _state.patched(HANDLER):  # else unpatched since: vLLM's worker alone
+            kv_caches = kwargs["kv_caches"] if "kv_caches" in kwargs else args[0]
+            _attach_worker_plans(self, kv_caches)
+
+    return __init__
+
+
+def transfer_pointers(self: Any, job_id: int, device_ptrs: Any, cpu_spec: Any) -> bool:
+    """vLLM 0.34's ``transfer_async``, its descriptors built by one ptrres plan.
+
+    Same descriptors, num_bytes, buffers, streams and events as vLLM's. The
+    device side comes from the ids ptrres resolved ``device_ptrs`` from
+    (checked), or from their pointers, each checked against its tensor
+    (DevicePointers resolved elsewhere); every CPU chunk id is checked. A
+    refused job, or any ptrres error, fails the job with nothing copied
+    (see the module's docstring).
+    """
+    if not _state.patched(HANDLER):
+        return bool(vllm_transfer_async(self, job_id, device_ptrs, cpu_spec))
+    refused = _pointers.refusal(device_ptrs)
+    if refused is not None:
+        return _fail(self, job_id, refused)
+    plan = vars(self).get(_STATE_ATTRIBUTE)
+    if plan is None:
+        # A handler built outside a patched worker: its plan takes the table
+        # ptrres resolved these pointers with; without one, vLLM's transfer.
+        table = _pointers.resolved_table(device_ptrs)
+        plan = None if table is None else _attach_handler_plan(self, table)
+    if plan is None or isinstance(plan, str):
+        return bool(vllm_transfer_async(self, job_id, device_ptrs, cpu_spec))
+    from .._errors import PtrresError
+
+    worker = sys.modules[WORKER_MODULE]
+    num_copy_ops = max_copy_ops(self, getattr(device_ptrs, "group_block_counts", None))
+    buffers = _take_buffers(self, worker, num_copy_ops)
+    spec = _pointers.resolved_by(device_ptrs, plan.table)
+    try:
+        if spec is not None:
+            descriptors = plan.table.plan_transfer(
+                spec,
+                plan.offloaded,
+                cpu_spec.block_ids,
+                store=self.gpu_to_cpu,
+                out=plan.numpy_views(buffers),
+                coalesce=plan.coalesce,
+            )
+        else:
+            descriptors = plan.table.plan_from_device_pointers(
+                device_ptrs,
+                plan.offloaded,
+                cpu_spec.block_ids,
+                store=self.gpu_to_cpu,
+                out=plan.numpy_views(buffers),
+                coalesce=plan.coalesce,
+            )
+    except PtrresError as error:
+        self._buffer_pool.append(buffers)
+        return _fail(self, job_id, error)
+    except BaseException:
+        self._buffer_pool.append(buffers)
+        raise
+    _submit(self, worker, job_id, buffers, len(descriptors.src), descriptors.num_bytes)
+    return True
+
+
+def _attach_worker_plans(cpu_worker: Any, kv_caches: Any) -> None:
+    """Make the kernels ready and give each of the worker's handlers its plan
+    over one table of ``kv_caches`` (the one the connector's resolve finds:
+    ptrres's table cache keeps it by the very object), rehearsed. Where
+    ptrres cannot (a layout it refuses, a worker or handler of other
+    attributes), the handlers keep vLLM's own transfers, with a warning."""
+    handlers = [getattr(cpu_worker, name, None) for name in _WORKER_HANDLERS]
+    try:
+        missing = [n for n, h in zip(_WORKER_HANDLERS, handlers) if h is None]
+        if missing:
+            raise AttributeError(f"the worker has no {', '.join(missing)}")
+        warm_up_kernels()
+        from .._pointer_utils import table_for
+
+        table = table_for(kv_caches)
+        spec = _first_blocks(handlers[0])
+        _pointers.resolve_device_pointers(spec, kv_caches)  # resolve, rehearsed
+    except Exception as error:
+        _say_declined(cpu_worker, error)
+        for handler in handlers:
+            if handler is not None:
+                setattr(handler, _STATE_ATTRIBUTE, _DECLINED)
+        return
+    for handler in handlers:
+        _attach_handler_plan(handler, table, rehearsal=spec)
+
+
+def _attach_handler_plan(
+    handler: Any, table: PointerTable, *, rehearsal: Any = None
+) -> HandlerPlan | None:
+    """Build a 0.34 handler's plan over ``table`` and keep it on the handler,
+    after planning the spec ``rehearsal`` with it (when given)."""
+
+    def build() -> HandlerPlan:
+        _require(handler, _HANDLER_034_ATTRIBUTES)
+        plan = _plan_of(handler, table, handler.cpu_tensors, handler.blocks_per_chunk)
+        if rehearsal is not None:
+            _rehearse_plan(handler, plan, rehearsal)
+        return plan
+
+    return _keep_plan(handler, build)
+
+
+def _fail(self: Any, job_id: int, error: BaseException) -> bool:
+    """Fail a job (0.34) as vLLM fails one whose copy failed: a failed
+    Transfer, in order behind the transfers before it, nothing copied."""
+    worker = sys.modules[WORKER_MODULE]
+    _state.reporter().error(
+        "ptrres: KV offload %s job %d failed, nothing copied: %s",
+        "GPU->CPU" if self.gpu_to_cpu else "CPU->GPU",
+        job_id,
+        error,
+    )
+    # Empty buffers: a failed transfer's are never pooled again by vLLM.
+    _submit(self, worker, job_id, worker._new_descriptor_buffers(0), 0, 0, failed=True)
+    return True
+
+
+# --- what both forms share ---------------------------------------------------
+
+
+def _take_buffers(handler: Any, worker: Any, num_copy_ops: int) -> tuple[Any, ...]:
+    """A pooled buffer set, or a new one where the pool's is too small."""
+    buffers = handler._buffer_pool.pop() if handler._buffer_pool else None
+    if buffers is None or buffers[0].numel() < num_copy_ops:
+        buffers = worker._new_descriptor_buffers(num_copy_ops)
+    return tuple(buffers)
+
+
+def _submit(
+    handler: Any,
+    worker: Any,
+    job_id: int,
+    buffers: tuple[Any, ...],
+    num_ops: int,
+    num_bytes: int,
+    *,
+    failed: bool = False,
+) -> None:
+    """Submit the first ``num_ops`` descriptors of ``buffers`` as vLLM does:
+    a pooled stream that waits for the compute stream and for the previous
+    transfer, timed by two pooled events; and record the Transfer. A failed
+    job submits nothing, and its Transfer says it failed."""
+    batch_src, batch_dst, batch_sizes = buffers
+    platform = worker.current_platform
+    stream = handler._stream_pool.pop() if handler._stream_pool else platform.Stream()
+    start_event = (
+        handler._event_pool.pop()
+        if handler._event_pool
+        else worker.torch.Event(enable_timing=True)
+    )
+    end_event = (
+        handler._event_pool.pop()
+        if handler._event_pool
+        else worker.torch.Event(enable_timing=True)
+    )
+    stream.wait_stream(platform.current_stream())
+    if handler._transfers:
+        stream.wait_event(handler._transfers[-1].end_event)
+    with platform.stream(stream):
+        start_event.record(stream)
+        if num_ops:
+            # Loads read host memory no GPU stream writes: any source order.
+            handler._swap_blocks_batch(
+                batch_src[:num_ops],
+                batch_dst[:num_ops],
+                batch_sizes[:num_ops],
+                is_src_access_order_any=not handler.gpu_to_cpu,
+            )
+        end_event.record(stream)
+    handler._transfer_events[job_id] = end_event
+    # Only 0.34's Transfer has ``failed``; only 0.34's jobs fail here.
+    extra = {"failed": True} if failed else {}
+    handler._transfers.append(
+        worker.Transfer(
+            job_id=job_id,
+            stream=stream,
+            start_event=start_event,
+            end_event=end_event,
+            num_bytes=num_bytes,
+            batch_src=batch_src,
+            batch_dst=batch_dst,
+            batch_sizes=batch_sizes,
+            **extra,
+        )
+    )
+
+
+def _keep_plan(handler: Any, build: Callable[[], HandlerPlan]) -> HandlerPlan | None:
+    """Keep ``build()`` on the handler, or _DECLINED (with a warning) where
+    it fails: a plugin never takes vLLM down."""
+    try:
+        plan: HandlerPlan | str = build()
+    except Exception as error:
+        _say_declined(handler, error)
+        plan = _DECLINED
+    setattr(handler, _STATE_ATTRIBUTE, plan)
+    return None if isinstance(plan, str) else plan
+
+
+def _say_declined(owner: Any, error: BaseException) -> None:
+    _state.reporter().warning(
+        "ptrres: this %s keeps vLLM's own transfers: %s",
+        type(owner).__name__,
+        error,
+        exc_info=not isinstance(error, (AttributeError, ValueError, TypeError)),
+    )
+
+
+def _require(handler: Any, names: Sequence[str]) -> None:
+    missing = [name for name in names if not hasattr(handler, name)]
+    if missing:
+        raise AttributeError(f"the handler has no {', '.join(missing)}")
+
+
+def _plan_of(
+    handler: Any, table: PointerTable, cpu_tensors: Any, blocks_per_chunk: int
+) -> HandlerPlan:
+    """A handler's plan: ``table``, its CPU tensors' layout, coalescing."""
+    from .. import OffloadedLayout
+
+    worker = sys.modules[WORKER_MODULE]
+    return HandlerPlan(
+        table=table,
+        offloaded=OffloadedLayout(
+            cpu_tensors,
+            blocks_per_chunk,
+            canonical=handler._canonical_copy_plans is not None,
+        ),
+        coalesce=_state.coalesce_requested()
+        and handler._swap_blocks_batch is worker.ops.swap_blocks_batch,
+    )
+
+
+def _first_blocks(handler: Any) -> Any:
+    """A spec of block 0 of each group (int32 ids, as vLLM's specs hold them)."""
     import numpy as np
 
     from .. import GPULoadStoreSpec
 
     num_groups = len(handler.layer_refs_per_group)
-    # int32 ids, as vLLM's specs hold them; one chunk per (non-empty) group.
-    block_ids = np.zeros(num_groups, np.int32)
-    spec = GPULoadStoreSpec(block_ids, [1] * num_groups, [0] * num_groups)
-    num_copy_ops = max(max_copy_ops(handler, spec), 1)
+    return GPULoadStoreSpec(
+        np.zeros(num_groups, np.int32), [1] * num_groups, [0] * num_groups
+    )
+
+
+def _rehearse_plan(handler: Any, plan: HandlerPlan, spec: Any) -> None:
+    """Plan ``spec`` (one chunk, chunk 0, per group) into scratch buffers."""
+    num_copy_ops = max(max_copy_ops(handler, spec.group_sizes), 1)
     buffers = sys.modules[WORKER_MODULE]._new_descriptor_buffers(num_copy_ops)
     plan.table.plan_transfer(
         spec,
         plan.offloaded,
-        block_ids.copy(),
+        spec.block_ids.copy(),
         store=handler.gpu_to_cpu,
         out=tuple(t.numpy() for t in buffers),
         coalesce=plan.coalesce,
     )
 
 
-def max_copy_ops(handler: Any, gpu_spec: Any) -> int:
+def max_copy_ops(handler: Any, group_sizes: Any) -> int:
     """Descriptors the transfer needs at most, to size its buffers.
 
-    Malformed group sizes give 0 here; plan_transfer then says what is wrong
+    Malformed group sizes give 0 here; the plan then says what is wrong
     with them (it checks the spec before the buffers).
     """
     try:
-        return max(int(handler._estimate_max_copy_ops(gpu_spec.group_sizes)), 0)
+        return max(int(handler._estimate_max_copy_ops(group_sizes)), 0)
     except (TypeError, ValueError, AttributeError):
         return 0

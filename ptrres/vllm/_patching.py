@@ -1,19 +1,19 @@
 """patch(), unpatch() and register(): what the plugin replaces in vLLM, path
 by path, each all or nothing, restored exactly, and when.
 
-vLLM has three paths the plugin patches, each on its own (``_state.PATHS``):
-the offloading handler's ``__init__`` and ``transfer_async``
-(``ptrres.vllm._handler``), with ``pointer_utils``' functions where the
-installed vLLM has that module (``ptrres._pointer_utils``); the simple
-offload path's ``build_params`` and ``copy_blocks`` (``ptrres.vllm._simple``);
-and the NIXL connector's workers (``ptrres.vllm._nixl``). A path is patched
-when vLLM imports its modules, and its patch imports only its own modules:
-a process that offloads never imports the NIXL connector for ptrres, and a
-path that cannot be patched (a module that does not import, a name or
-signature not its release's) is left as vLLM has it while the others are
-patched. Whether the installed vLLM is a tested release with the names and
-signatures the patches rely on is ``ptrres.vllm._release``'s to say;
-register()'s wait for vLLM's imports is ``ptrres.vllm._hook``'s.
+vLLM's paths (``_state.PATHS``) are patched each on its own: pointer_utils'
+functions and the offloading connector's resolve (``ptrres.vllm._pointers``),
+the offloading handler (``ptrres.vllm._handler``), the file worker
+(``ptrres.vllm._file_worker``), the simple offload path
+(``ptrres.vllm._simple``) and the NIXL connector (``ptrres.vllm._nixl``,
+``_nixl_pairs``). A path is patched when vLLM imports its modules, and its
+patch imports only its own modules: a process that offloads never imports
+the NIXL connector for ptrres. A path is patched where its code is a tested
+release's (``ptrres.vllm._release.match_path``: the fingerprint of the vLLM
+code it depends on), in the form made for that release; a path whose code
+is no tested release's is left as vLLM has it, with a warning naming it and
+what differs, while the others are patched. register()'s wait for vLLM's
+imports is ``ptrres.vllm._hook``'s.
 
 Importing this module imports neither vLLM nor numba nor any kernel, nor the
 paths' modules: patching a path does, that path's.
@@ -22,6 +22,7 @@ paths' modules: patching a path does, that path's.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 import warnings
@@ -32,23 +33,33 @@ from typing import Any
 from . import _state
 from ._hook import PatchOnImport
 from ._release import (
+    CONNECTOR_MODULE,
     NIXL_BASE_MODULE,
+    NIXL_PULL_MODULE,
+    NIXL_PUSH_MODULE,
     PATH_TRIGGERS,
     POINTER_UTILS_MODULE,
-    find_handler,
-    find_nixl_path,
-    find_simple_path,
-    optional_module,
-    parameter_names,
-    release_series,
-    signature_refusal,
+    SIMPLE_BACKEND_MODULES,
+    SIMPLE_MODULE,
+    WORKER_MODULE,
+    match_path,
 )
-from ._state import HANDLER, NIXL, PATHS, SIMPLE, Replacement, logger, reporter
+from ._state import (
+    CONNECTOR,
+    FILE_WORKER,
+    HANDLER,
+    NIXL,
+    PATHS,
+    POINTER_UTILS,
+    SIMPLE,
+    Replacement,
+    logger,
+    reporter,
+)
 
 
 class VllmPatchWarning(UserWarning):
-    """patch() left a path of vLLM as it was: an untested version, or a path
-    whose names or signatures are not its release's."""
+    """patch() left a path of vLLM as it was: its code is no tested release's."""
 
 
 # The warnings patch() has already issued, so each warns once.
@@ -58,21 +69,20 @@ _warned: set[str] = set()
 def patch() -> list[str]:
     """Make vLLM's offloading and NIXL workers build their descriptors with ptrres.
 
-    Patches each of vLLM's paths on its own: the offloading handler
-    (``SingleDirectionOffloadingHandler.__init__``, vLLM's then
-    ``ptrres.warmup()`` and the handler's ptrres plan, and
-    ``transfer_async``; where the installed vLLM has ``pointer_utils``, its
-    ``resolve_device_pointers`` and ``iter_pointer_groups``), the simple
-    offload path (``build_params`` and ``copy_blocks``, in ``cuda_mem_ops``
-    and in the two backends that import them by name), and the NIXL
-    connector (unless PTRRES_VLLM_NIXL=0). Within a path everything is
-    replaced or nothing: a path whose module does not import, or where an
-    attribute is missing or has another signature than its release's, is
-    left as it was with a VllmPatchWarning naming the path and why (once per
-    reason), and the other paths are patched. On a vLLM release not in
-    SUPPORTED_VLLM nothing is replaced. Calling it again changes nothing on
-    the paths patched already. It imports each path's vLLM modules, but no
-    kernel (and not numba).
+    Patches each of vLLM's paths on its own (``_state.PATHS``) where the
+    installed vLLM has it: pointer_utils' ``resolve_device_pointers`` and
+    ``iter_pointer_groups`` (0.34 and later), the offloading connector's
+    resolve (0.34), the offloading handler (``SingleDirectionOffloadingHandler``;
+    on 0.34 with ``CPUOffloadingWorker.__init__``), the file worker (0.34),
+    the simple offload path (``build_params`` and ``copy_blocks``, in
+    ``cuda_mem_ops`` and in the two backends that import them by name), and
+    the NIXL connector (unless PTRRES_VLLM_NIXL=0). A path is patched where
+    its code is that of a release ptrres was tested against, whatever the
+    version string says; within a path everything is replaced or nothing. A
+    path whose code differs is left as it was with a VllmPatchWarning naming
+    the path and what differs (once per reason), and the other paths are
+    patched. Calling it again changes nothing on the paths patched already.
+    It imports each path's vLLM modules, but no kernel (and not numba).
 
     Returns:
         The qualified names of the attributes now replaced, path by path
@@ -94,19 +104,20 @@ def patch_path(path: str) -> list[str]:
 
     Returns:
         The qualified names of the path's attributes now replaced (empty when
-        it was left alone).
+        it was left alone, or where this vLLM has no such path).
     """
     with _state.lock:
         if path in _state.applied:
             return [r.qualified_name for r in _state.applied[path]]
-        series, refusal = release_series()
-        if series is not None:
-            replacements, refusal = plan_path(path, series)
-        if refusal is not None:
-            _state.refused[path] = refusal
-            # An untested release leaves every path alone: one warning.
-            _warn_once(refusal, None if series is None else path)
+        found = match_path(path, _state.vllm_own)
+        if found is None:
+            _state.absent.add(path)
             return []
+        if isinstance(found, str):
+            _state.refused[path] = found
+            _warn_once(found, path)
+            return []
+        replacements = plan_path(path, found.variant)
         done: list[Replacement] = []
         try:
             for r in replacements:
@@ -121,6 +132,7 @@ def patch_path(path: str) -> list[str]:
             return []
         _state.refused.pop(path, None)
         _state.applied[path] = replacements
+        _state.matches[path] = found
         return [r.qualified_name for r in replacements]
 
 
@@ -135,12 +147,15 @@ class PathState:
 
     path: str
     # "patched"; "waiting" (for vLLM to import one of its triggers); "left
-    # alone" (it could not be patched); "off" (a switch leaves it alone);
-    # "unpatched" (neither register() nor patch() has run since unpatch()).
+    # alone" (its code is no tested release's); "absent" (this vLLM has no
+    # such path); "off" (a switch leaves it alone); "unpatched" (neither
+    # register() nor patch() has run since unpatch()).
     status: str
     # The attributes replaced, the triggers waited for, why it was left
     # alone, or the switch.
     detail: tuple[str, ...]
+    # Whose code a patched path has (a tested release's).
+    match: _state.Match | None = None
 
 
 def path_states() -> list[PathState]:
@@ -149,20 +164,22 @@ def path_states() -> list[PathState]:
         waiting = PatchOnImport.waiting_paths()
         states = []
         for path in PATHS:
+            match = None
             if path in _state.applied:
-                status, detail = (
-                    "patched",
-                    tuple(r.qualified_name for r in _state.applied[path]),
-                )
+                status = "patched"
+                detail = tuple(r.qualified_name for r in _state.applied[path])
+                match = _state.matches.get(path)
             elif path in _state.refused:
                 status, detail = "left alone", (_state.refused[path],)
+            elif path in _state.absent:
+                status, detail = "absent", ()
             elif path in waiting:
                 status, detail = "waiting", waiting[path]
             elif (switch := _state.switched_off(path)) is not None:
                 status, detail = "off", (switch,)
             else:
                 status, detail = "unpatched", ()
-            states.append(PathState(path, status, detail))
+            states.append(PathState(path, status, detail, match))
         return states
 
 
@@ -180,7 +197,9 @@ def unpatch() -> None:
             for r in reversed(replacements):
                 setattr(r.owner, r.name, r.original)
         _state.applied.clear()
+        _state.matches.clear()
         _state.refused.clear()
+        _state.absent.clear()
 
 
 def register() -> None:
@@ -194,7 +213,7 @@ def register() -> None:
     theirs (PTRRES_VLLM_NIXL=0: never the NIXL connector). Each path is
     patched once, with one INFO line naming what was replaced; register()
     never raises. The kernels are made ready when vLLM builds its first
-    handler, params or NIXL worker.
+    worker, handler, params or NIXL worker.
     """
     try:
         if os.environ.get("PTRRES_VLLM", "1").strip().lower() in _state.OFF_VALUES:
@@ -208,16 +227,9 @@ def register() -> None:
                 if _state.switched_off(path) is None
                 and path not in _state.applied
                 and path not in _state.refused
+                and path not in _state.absent
                 and path not in waiting
             ]
-            if paths and "vllm" in sys.modules:
-                # An untested release leaves every path alone, now.
-                _, refusal = release_series()
-                if refusal is not None:
-                    for path in paths:
-                        _state.refused[path] = refusal
-                    _warn_once(refusal, None)
-                    return
             imported = [
                 path
                 for path in paths
@@ -237,14 +249,18 @@ def _patch_and_report(path: str) -> None:
     """patch_path(), and its INFO line."""
     patched = patch_path(path)
     if patched:
-        coalescing = path != NIXL and _state.coalesce_requested()
+        match = _state.matches[path]
+        coalescing = path in (HANDLER, SIMPLE) and _state.coalesce_requested()
         reporter().info(
-            "ptrres %s checks vLLM %s's %s: patched %s%s; kernels are made "
+            "ptrres %s checks vLLM %s's %s: patched %s%s%s; kernels are made "
             "ready at engine start-up",
             _ptrres_version(),
-            getattr(sys.modules.get("vllm"), "__version__", "?"),
+            match.installed,
             path,
             ", ".join(patched),
+            f" (untested release: its code here is {match.release}'s)"
+            if match.by_fingerprint
+            else "",
             " (coalescing on)" if coalescing else "",
         )
 
@@ -255,10 +271,9 @@ def _ptrres_version() -> str:
     return __version__
 
 
-def _warn_once(reason: str, path: str | None) -> None:
-    """Say (once) that ``path`` was left as vLLM has it, or every path (None)."""
-    what = "vLLM" if path is None else f"vLLM's {path}"
-    message = f"ptrres.vllm left {what} unpatched: {reason}"
+def _warn_once(reason: str, path: str) -> None:
+    """Say (once) that ``path`` was left as vLLM has it."""
+    message = f"ptrres.vllm left vLLM's {path} unpatched: {reason}"
     if message in _warned:
         return
     _warned.add(message)
@@ -268,77 +283,127 @@ def _warn_once(reason: str, path: str | None) -> None:
 # --- what to replace ---------------------------------------------------------
 
 
-def plan_path(path: str, series: str) -> tuple[list[Replacement], str | None]:
-    """Every attribute to replace on ``path`` of the release ``series``, or
-    the reason to replace none of them.
+def plan_path(path: str, variant: str) -> list[Replacement]:
+    """Every attribute to replace on ``path``, in the form of its patch made
+    for the release ``variant`` (the installed vLLM's code on the path must
+    be a tested release's of that variant: match_path()).
 
     The path's modules are imported here, not by register(), which needs
     none of them until vLLM imports them; and no other path's.
     """
+    active = functools.partial(_state.patched, path)
+    if path == POINTER_UTILS:
+        return _pointer_utils_replacements()
+    if path == CONNECTOR:
+        return _connector_replacements()
     if path == HANDLER:
-        return _handler_replacements(series)
+        if variant == "0.30":
+            return _handler_replacements()
+        return _worker_replacements()
+    if path == FILE_WORKER:
+        from ._file_worker import file_worker_replacements
+        from ._warmup import warm_up_kernels
+
+        return file_worker_replacements(active, warm_up_kernels)
     if path == SIMPLE:
-        simple = find_simple_path()
-        if isinstance(simple, str):
-            return [], simple
-        return _simple_replacements(*simple), None
+        return _simple_replacements()
     if path == NIXL:
-        nixl = find_nixl_path()
-        if isinstance(nixl, str):
-            return [], nixl
-        return _nixl_replacements(nixl), None
+        if variant == "0.30":
+            return _nixl_replacements()
+        from ._nixl_pairs import nixl_replacements_034
+        from ._warmup import warm_up_kernels
+
+        return nixl_replacements_034(active, warm_up_kernels)
     raise ValueError(f"no such path: {path!r} (one of {', '.join(PATHS)})")
 
 
-def _handler_replacements(series: str) -> tuple[list[Replacement], str | None]:
-    """The handler's __init__ and transfer_async; pointer_utils' functions
-    where the installed vLLM has that module, and in the worker, where it
-    imported them by name."""
+def binding(module: ModuleType, name: str, ours: Any) -> Replacement:
+    """A module's name bound to ``ours``, where vLLM bound its own (or
+    another path's patch ptrres's already): restored to vLLM's own."""
+    return Replacement(module, name, _state.vllm_own(getattr(module, name)), ours)
+
+
+def _pointer_utils_replacements() -> list[Replacement]:
+    """pointer_utils' two functions, ptrres's (vLLM's own types returned)."""
+    from . import _pointers
+
+    pointer_utils = importlib.import_module(POINTER_UTILS_MODULE)
+    return [
+        binding(
+            pointer_utils, "resolve_device_pointers", _pointers.resolve_device_pointers
+        ),
+        binding(pointer_utils, "iter_pointer_groups", _pointers.iter_pointer_groups),
+    ]
+
+
+def _connector_replacements() -> list[Replacement]:
+    """The offloading connector's worker's resolve: a job's bad id refuses
+    the job (the handler and file worker fail it) instead of raising."""
+    from . import _pointers
+
+    connector = importlib.import_module(CONNECTOR_MODULE)
+    name = "resolve_device_pointers"
+    vllm_resolve = _state.vllm_own(getattr(connector, name))
+    return [
+        Replacement(connector, name, vllm_resolve, _pointers.job_resolver(vllm_resolve))
+    ]
+
+
+def _handler_replacements() -> list[Replacement]:
+    """The handler's __init__ and transfer_async (vLLM 0.30 to 0.33)."""
     from . import _handler
 
-    found = find_handler(series)
-    if isinstance(found, str):
-        return [], found
-    worker, handler = found
+    worker = importlib.import_module(WORKER_MODULE)
+    handler = worker.SingleDirectionOffloadingHandler
     original_init = vars(handler)["__init__"]
-    replacements = [
+    original_transfer = vars(handler)["transfer_async"]
+    # vLLM's own, for the handlers whose transfers vLLM builds.
+    _handler.vllm_transfer_async = original_transfer
+    return [
         Replacement(
             handler, "__init__", original_init, _handler.patched_init(original_init)
         ),
         Replacement(
-            handler,
-            "transfer_async",
-            vars(handler)["transfer_async"],
-            _handler.transfer_async,
+            handler, "transfer_async", original_transfer, _handler.transfer_async
         ),
     ]
-    pointer_utils = optional_module(POINTER_UTILS_MODULE)
-    if pointer_utils is not None:
-        from .._pointer_utils import iter_pointer_groups, resolve_device_pointers
-
-        for ours in (resolve_device_pointers, iter_pointer_groups):
-            name = ours.__name__
-            refusal = signature_refusal(pointer_utils, name, parameter_names(ours))
-            if refusal is not None:
-                return [], refusal
-            original = getattr(pointer_utils, name)
-            replacements.append(Replacement(pointer_utils, name, original, ours))
-            # The worker may have imported it by name (`from ... import`).
-            if getattr(worker, name, None) is original:
-                replacements.append(Replacement(worker, name, original, ours))
-    # vLLM's own, for the handlers whose transfers vLLM builds.
-    _handler.vllm_transfer_async = replacements[1].original
-    return replacements, None
 
 
-def _simple_replacements(
-    mem_ops: ModuleType, backends: tuple[ModuleType, ...]
-) -> list[Replacement]:
+def _worker_replacements() -> list[Replacement]:
+    """vLLM 0.34's CPU offloading: the worker's __init__ (vLLM's, then the
+    kernels and one table for its three handlers), the handlers'
+    transfer_async (from DevicePointers), and the module's
+    iter_pointer_groups."""
+    from . import _handler, _pointers
+
+    worker = importlib.import_module(WORKER_MODULE)
+    handler = worker.SingleDirectionOffloadingHandler
+    cpu_worker = worker.CPUOffloadingWorker
+    original_init = vars(cpu_worker)["__init__"]
+    original_transfer = vars(handler)["transfer_async"]
+    _handler.vllm_transfer_async = original_transfer
+    return [
+        Replacement(
+            cpu_worker,
+            "__init__",
+            original_init,
+            _handler.patched_worker_init(original_init),
+        ),
+        Replacement(
+            handler, "transfer_async", original_transfer, _handler.transfer_pointers
+        ),
+        binding(worker, "iter_pointer_groups", _pointers.iter_pointer_groups),
+    ]
+
+
+def _simple_replacements() -> list[Replacement]:
     """build_params and copy_blocks of the simple offload path: in cuda_mem_ops,
     and in the backends, which imported them by name."""
     from . import _simple
     from ._warmup import warm_up_kernels
 
+    mem_ops = importlib.import_module(SIMPLE_MODULE)
+    backends = [importlib.import_module(name) for name in SIMPLE_BACKEND_MODULES]
     vllm_build_params, vllm_copy_blocks = mem_ops.build_params, mem_ops.copy_blocks
     build_params, copy_blocks = _simple.patched_functions(
         _simple.SimplePatch(
@@ -361,19 +426,20 @@ def _simple_replacements(
     ]
 
 
-def _nixl_replacements(found: dict[str, Any]) -> list[Replacement]:
-    """The NIXL connector's worker: its __init__ (vLLM's, then the kernels
-    made ready), its _compute_desc_ids (every id checked), and the pull and
-    push workers' _read_blocks and _xfer_blocks (vLLM's, the transfer named
-    for the log)."""
+def _nixl_replacements() -> list[Replacement]:
+    """The NIXL connector's worker (vLLM 0.30 to 0.33): its __init__ (vLLM's,
+    then the kernels made ready), its _compute_desc_ids (every id checked),
+    and the pull and push workers' _read_blocks and _xfer_blocks (vLLM's, the
+    transfer named for the log)."""
     from . import _nixl
     from ._warmup import warm_up_kernels
 
-    base = found["NixlBaseConnectorWorker"]
+    base_worker = importlib.import_module(NIXL_BASE_MODULE)
+    base = base_worker.NixlBaseConnectorWorker
     original = vars(base)["_compute_desc_ids"]
     compute_desc_ids, wrap = _nixl.patched_functions(
         _nixl.NixlPatch(
-            base_worker=found[NIXL_BASE_MODULE],
+            base_worker=base_worker,
             vllm_compute_desc_ids=original,
             active=functools.partial(_state.patched, NIXL),
         )
@@ -383,11 +449,11 @@ def _nixl_replacements(found: dict[str, Any]) -> list[Replacement]:
         Replacement(base, "__init__", init, _nixl.patched_init(init, warm_up_kernels)),
         Replacement(base, "_compute_desc_ids", original, compute_desc_ids),
     ]
-    for class_name, name in (
-        ("NixlPullConnectorWorker", "_read_blocks"),
-        ("NixlPushConnectorWorker", "_xfer_blocks"),
+    for module_name, class_name, name in (
+        (NIXL_PULL_MODULE, "NixlPullConnectorWorker", "_read_blocks"),
+        (NIXL_PUSH_MODULE, "NixlPushConnectorWorker", "_xfer_blocks"),
     ):
-        owner = found[class_name]
+        owner = getattr(importlib.import_module(module_name), class_name)
         method = vars(owner)[name]
         replacements.append(Replacement(owner, name, method, wrap(method)))
     return replacements

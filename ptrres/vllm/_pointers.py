@@ -55,9 +55,9 @@ class _VllmTypes:
 
     def __init__(self) -> None:
         base = importlib.import_module(BASE_MODULE)
-        self.device_pointers: type = base.DevicePointers
-        self.group_info: type = base.DevicePointerGroupInfo
-        self.refused: type = _refused_type(self.device_pointers)
+        self.device_pointers: Any = base.DevicePointers
+        self.group_info: Any = base.DevicePointerGroupInfo
+        self.refused: Any = _refused_type(self.device_pointers)
 
 
 _types: _VllmTypes | None = None
@@ -110,7 +110,7 @@ def refusal(device_ptrs: Any) -> BaseException | None:
     """The error that refused a job's blocks, or None for usable pointers."""
     types = _types
     if types is not None and type(device_ptrs) is types.refused:
-        error: BaseException = device_ptrs.error
+        error: BaseException = getattr(device_ptrs, "error")  # noqa: B009
         return error
     return None
 
@@ -218,8 +218,7 @@ def _decline(kv_caches: Any, error: BaseException) -> None:
     with _declined_lock:
         _declined[key] = owner
     reporter().warning(
-        "ptrres: these KV caches keep vLLM's own (unchecked) pointer "
-        "resolution: %s",
+        "ptrres: these KV caches keep vLLM's own (unchecked) pointer resolution: %s",
         error,
     )
 

@@ -43,20 +43,60 @@ class Replacement:
         return f"{owner}.{self.name}"
 
 
-# vLLM's paths, each patched or left alone on its own, when vLLM imports it:
-# OffloadingConnector's handler, SimpleCPUOffloadConnector's cuda_mem_ops,
-# and the NIXL connector's workers.
+# vLLM's paths, each patched or left alone on its own, when vLLM imports it
+# (in this order, where one import brings several): pointer_utils' functions
+# (0.34 and later); the OffloadingConnector's worker, which resolves each
+# job's blocks with them (0.34); its CPU handler; its file worker (0.34);
+# SimpleCPUOffloadConnector's cuda_mem_ops; and the NIXL connector's workers.
+POINTER_UTILS = "pointer_utils"
+CONNECTOR = "offloading connector"
 HANDLER = "offloading handler"
+FILE_WORKER = "file worker"
 SIMPLE = "simple offload path"
 NIXL = "NIXL connector"
-PATHS = (HANDLER, SIMPLE, NIXL)
+PATHS = (POINTER_UTILS, CONNECTOR, HANDLER, FILE_WORKER, SIMPLE, NIXL)
+
+
+@dataclass(frozen=True)
+class Match:
+    """Whose code the installed vLLM has on a path: a tested release's."""
+
+    # The tested release whose recorded fingerprint the path's code has
+    # ("0.34.0"): the installed release itself, or, for an untested one, a
+    # tested release whose code on this path it kept.
+    release: str
+    # The form of the patch that applies (the first release it was made for).
+    variant: str
+    # The installed vLLM's version.
+    installed: str
+
+    @property
+    def by_fingerprint(self) -> bool:
+        """Whether the path is patched on an untested vLLM, for its code."""
+        return self.release != self.installed
+
 
 # What patch() replaced on each patched path, in the order the paths were
 # patched; empty when vLLM is not patched.
 applied: dict[str, list[Replacement]] = {}
-# Why a path was left as vLLM has it (a name or signature not its release's).
+# Whose code each patched path has.
+matches: dict[str, Match] = {}
+# Why a path was left as vLLM has it (its code is no tested release's).
 refused: dict[str, str] = {}
+# The paths the installed vLLM does not have (none of their modules).
+absent: set[str] = set()
 lock = threading.RLock()
+
+
+def vllm_own(obj: Any) -> Any:
+    """The vLLM object a patched attribute replaced, where ``obj`` is one of
+    ptrres's replacements (another path's, say, which a module imported by
+    name); else ``obj`` itself."""
+    for replacements in applied.values():
+        for r in replacements:
+            if r.replacement is obj:
+                return r.original
+    return obj
 
 
 def is_patched() -> bool:

@@ -21,12 +21,13 @@ from hypothesis import strategies as st
 from test_vllm_handler import assert_same, transfer
 from vllm_harness import (
     CopyEngine,
+    Layout,
     draw_ids,
     fake_cuda,
     padded_rows,
+    refused,
     specs,
     stubbed_vllm,
-    worker,
 )
 
 import ptrres
@@ -46,14 +47,8 @@ def canonical_handler(*tensors: Any) -> Any:
     """vLLM's own handler with a canonical CPU layout (stubs in place), from
     (GPU tensors, CPU tensors, refs per group, blocks_per_chunk, gpu_to_cpu)."""
     gpu_tensors, cpu_tensors, refs, blocks_per_chunk, gpu_to_cpu = tensors
-    return worker.SingleDirectionOffloadingHandler(
-        gpu_tensors=list(gpu_tensors),
-        cpu_tensors=list(cpu_tensors),
-        blocks_per_chunk=blocks_per_chunk,
-        layer_refs_per_group=refs,
-        gpu_to_cpu=gpu_to_cpu,
-        canonical_layout=True,
-    )
+    layout = Layout(list(gpu_tensors), list(cpu_tensors), refs, blocks_per_chunk)
+    return layout.handler(gpu_to_cpu, canonical_layout=True)
 
 
 # --- random canonical layouts --------------------------------------------------
@@ -273,8 +268,12 @@ BAD_TRANSFERS = [
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
 @pytest.mark.parametrize(("block_ids", "cpu_ids", "error"), BAD_TRANSFERS)
-def test_canonical_bad_ids_raise_before_anything_is_submitted(
-    gpu_to_cpu: bool, block_ids: list[int], cpu_ids: list[int], error: type
+def test_canonical_bad_ids_are_refused_before_anything_is_submitted(
+    gpu_to_cpu: bool,
+    block_ids: list[int],
+    cpu_ids: list[int],
+    error: type,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     engine = CopyEngine()
     cpu = torch.zeros((8, TP * ROW * BLOCK_SIZE * 2), dtype=torch.int8)
@@ -285,9 +284,8 @@ def test_canonical_bad_ids_raise_before_anything_is_submitted(
         expected = transfer(handler, engine, 1, *good)
         plugin.patch()
         bad = specs(block_ids, *IDS[1:], cpu_ids, gpu_to_cpu=gpu_to_cpu)
-        with pytest.raises(error) as raised:
-            handler.transfer_async(2, *bad)
-        assert isinstance(raised.value, ValueError)
+        raised = refused(handler, engine, 2, *bad, error, caplog)
+        assert isinstance(raised, ValueError)
         assert len(engine.calls) == 1  # nothing submitted
         assert not handler._transfers
         assert len(handler._buffer_pool) == 1

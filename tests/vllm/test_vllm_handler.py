@@ -16,9 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_harness import (
+    DEVICE_POINTERS,
     CopyEngine,
     draw_ids,
     make_layout,
+    refused,
     specs,
     stubbed_vllm,
     worker,
@@ -205,8 +207,12 @@ BAD_TRANSFERS = [
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
 @pytest.mark.parametrize(("block_ids", "cpu_ids", "error"), BAD_TRANSFERS)
-def test_bad_ids_raise_before_anything_is_submitted(
-    gpu_to_cpu: bool, block_ids: list[int], cpu_ids: list[int], error: type
+def test_bad_ids_are_refused_before_anything_is_submitted(
+    gpu_to_cpu: bool,
+    block_ids: list[int],
+    cpu_ids: list[int],
+    error: type,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     engine = CopyEngine()
     with stubbed_vllm(engine):
@@ -216,43 +222,43 @@ def test_bad_ids_raise_before_anything_is_submitted(
         plugin.patch()
         pool = list(handler._buffer_pool)
         bad_src, bad_dst = specs(block_ids, *IDS[1:], cpu_ids, gpu_to_cpu=gpu_to_cpu)
-        with pytest.raises(error) as raised:
-            handler.transfer_async(2, bad_src, bad_dst)
-        assert isinstance(raised.value, ValueError)
+        raised = refused(handler, engine, 2, bad_src, bad_dst, error, caplog)
+        assert isinstance(raised, ValueError)
         assert engine.calls == [engine.calls[0]]  # nothing submitted
         assert not handler._transfers
-        assert 2 not in handler._transfer_events
         assert [b[0] for b in handler._buffer_pool] == [b[0] for b in pool]
         # The handler and its pooled buffers keep working.
         assert_same(expected, transfer(handler, engine, 3, good_src, good_dst))
 
 
-def test_a_failed_first_transfer_returns_its_new_buffers_to_the_pool() -> None:
+def test_a_failed_first_transfer_returns_its_new_buffers_to_the_pool(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     engine = CopyEngine()
     with stubbed_vllm(engine):
         handler = two_group_layout().handler(True)
         plugin.patch()
-        src, dst = specs([3, 4, 5, 99, 1, 2], *IDS[1:], CPU_IDS, gpu_to_cpu=True)
-        with pytest.raises(ptrres.BlockIdError, match="99"):
-            handler.transfer_async(1, src, dst)
+        src, dst = specs(*IDS, [5, 2, 99], gpu_to_cpu=True)
+        error = refused(handler, engine, 1, src, dst, ptrres.OffloadedIdError, caplog)
+        assert "99" in str(error)
         assert len(handler._buffer_pool) == 1
         assert not engine.calls
 
 
-def test_malformed_group_sizes_get_ptrres_errors() -> None:
+def test_malformed_group_sizes_get_ptrres_errors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     engine = CopyEngine()
     with stubbed_vllm(engine):
         handler = two_group_layout().handler(True)
         plugin.patch()
         src, dst = specs(*IDS, CPU_IDS, gpu_to_cpu=True)
         src.group_sizes = [7, -1]
-        with pytest.raises(ptrres.SpecError):
-            handler.transfer_async(1, src, dst)
+        refused(handler, engine, 1, src, dst, ptrres.SpecError, caplog)
         src.group_sizes = ["4", 2]
-        with pytest.raises(ptrres.PtrresError):
-            handler.transfer_async(2, src, dst)
+        refused(handler, engine, 2, src, dst, ptrres.PtrresError, caplog)
         assert not engine.calls
-        assert len(handler._buffer_pool) == 1
+        assert DEVICE_POINTERS or len(handler._buffer_pool) == 1
 
 
 # --- a byte round trip -------------------------------------------------------
@@ -389,13 +395,8 @@ def test_loads_follow_the_releases_choice_of_copy_function(
         plugin.patch()
 
         def load_handler() -> Any:
-            return Handler(
-                gpu_tensors=list(layout.gpu_tensors),
-                cpu_tensors=list(layout.cpu_tensors),
-                blocks_per_chunk=layout.blocks_per_chunk,
-                layer_refs_per_group=layout.refs,
-                gpu_to_cpu=False,
-                **({} if pinned else {"host_memory_is_pinned": False}),
+            return layout.handler(
+                False, **({} if pinned else {"host_memory_is_pinned": False})
             )
 
         if not pinned and not takes_pinned:
@@ -403,9 +404,9 @@ def test_loads_follow_the_releases_choice_of_copy_function(
                 load_handler()
             return
         handler = load_handler()
-        assert handler._ptrres_plan.coalesce is not pinned
         src, dst = specs(range(4, 12), [8], [0], [2, 3], gpu_to_cpu=False)
         assert handler.transfer_async(1, src, dst)
+        assert handler._ptrres_plan.coalesce is not pinned
     (call,) = (triton if pinned else engine).calls
     assert not (engine if pinned else triton).calls
     # Triton gets vLLM's 8 descriptors; swap_blocks_batch one merged run.

@@ -1,9 +1,14 @@
-"""vLLM's own offloading code (0.30 to 0.33), on CPU tensors with stubbed streams.
+"""vLLM's own offloading code (0.30 to 0.34), on CPU tensors with stubbed streams.
 
 The handler is built through its real ``__init__``: its GPU tensors are CPU
 tensors of a subclass that reports ``is_cuda``, streams and events are stubs,
 and what it submits to ``swap_blocks_batch`` is captured (or executed as
-memmoves over the descriptors).
+memmoves over the descriptors). vLLM 0.34's handler holds no GPU tensors and
+takes DevicePointers (``DEVICE_POINTERS``): ``Layout.handler`` then gives a
+PointerHandler, which resolves each transfer's GPU spec as vLLM's
+offloading connector does (its module's ``resolve_device_pointers``, the
+plugin's where patched) and hands the handler the pointers, so that a test
+drives either release with 0.33's ``transfer_async(job_id, src, dst)``.
 
 The simple offload path (``vllm/v1/simple_kv_offload``) runs its own
 ``build_params``, ``copy_blocks`` and backends: the driver function
@@ -31,6 +36,11 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     GPULoadStoreSpec,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+
+# vLLM 0.34: the connector resolves each job, and the handler takes
+# DevicePointers (its transfer_async(job_id, device_ptrs, cpu_spec)).
+DEVICE_POINTERS = hasattr(worker, "iter_pointer_groups")
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker"
 
 # The simple offload path (modules, untyped: their tests hand them stand-ins).
 cuda_mem_ops = pytest.importorskip("vllm.v1.simple_kv_offload.cuda_mem_ops")
@@ -104,6 +114,9 @@ class FakePlatform:
     def is_rocm(self) -> bool:
         return False
 
+    def is_cuda_alike(self) -> bool:
+        return False
+
 
 @dataclass
 class Submitted:
@@ -170,15 +183,101 @@ class Layout:
     def num_cpu_chunks(self) -> int:
         return int(min(t.shape[0] for t in self.cpu_tensors))
 
-    def handler(self, gpu_to_cpu: bool) -> Any:
-        """vLLM's own handler, through its real __init__ (stubs in place)."""
-        return worker.SingleDirectionOffloadingHandler(
-            gpu_tensors=list(self.gpu_tensors),
+    def handler(self, gpu_to_cpu: bool, **options: Any) -> Any:
+        """vLLM's own handler, through its real __init__ (stubs in place), with
+        the release's ``options`` (host_memory_is_pinned, canonical_layout);
+        on 0.34, behind a PointerHandler."""
+        handler = worker.SingleDirectionOffloadingHandler(
+            **({} if DEVICE_POINTERS else {"gpu_tensors": list(self.gpu_tensors)}),
             cpu_tensors=list(self.cpu_tensors),
             blocks_per_chunk=self.blocks_per_chunk,
             layer_refs_per_group=self.refs,
             gpu_to_cpu=gpu_to_cpu,
+            **options,
         )
+        return PointerHandler(handler, self.kv_caches()) if DEVICE_POINTERS else handler
+
+    def kv_caches(self) -> Any:
+        """vLLM's CanonicalKVCaches of the GPU tensors (0.34's resolve and
+        CPUOffloadingWorker take it): one per call, as vLLM's connector makes
+        one per engine."""
+        from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
+
+        return CanonicalKVCaches(
+            [CanonicalKVCacheTensor(t, int(t.shape[1])) for t in self.gpu_tensors],
+            self.refs,
+        )
+
+
+def connector_resolve() -> Callable[[Any, Any], Any]:
+    """vLLM 0.34's offloading connector's resolve, as bound in its module now
+    (vLLM's own, or the plugin's, which refuses a bad job)."""
+    import importlib
+
+    return importlib.import_module(CONNECTOR_MODULE).resolve_device_pointers  # type: ignore[no-any-return]
+
+
+class PointerHandler:
+    """vLLM 0.34's handler driven as 0.33's was: ``transfer_async(job_id,
+    src_spec, dst_spec)`` resolves the GPU spec as the connector does, then
+    calls the handler's own ``transfer_async(job_id, device_ptrs, cpu_spec)``.
+    Every other attribute is the handler's."""
+
+    def __init__(self, handler: Any, kv_caches: Any) -> None:
+        self.__dict__["handler"] = handler
+        self.__dict__["kv_caches"] = kv_caches
+
+    def transfer_async(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        handler = self.__dict__["handler"]
+        gpu_spec, cpu_spec = (
+            (src_spec, dst_spec) if handler.gpu_to_cpu else (dst_spec, src_spec)
+        )
+        device_ptrs = connector_resolve()(gpu_spec, self.__dict__["kv_caches"])
+        return bool(handler.transfer_async(job_id, device_ptrs, cpu_spec))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["handler"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.__dict__["handler"], name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.__dict__["handler"], name)
+
+
+def refused(
+    handler: Any,
+    engine: CopyEngine,
+    job_id: int,
+    src: Any,
+    dst: Any,
+    error: type[BaseException],
+    caplog: pytest.LogCaptureFixture,
+) -> BaseException:
+    """A transfer ptrres refuses, nothing submitted: on vLLM 0.30-0.33 it
+    raises ``error``; on 0.34 the job fails as a failed copy fails it (a
+    failed Transfer, reported unsuccessful) and the error is logged. Returns
+    the error."""
+    before = len(engine.calls)
+    if not DEVICE_POINTERS:
+        with pytest.raises(error) as raised:
+            handler.transfer_async(job_id, src, dst)
+        assert job_id not in handler._transfer_events
+        assert engine.calls[before:] == []
+        return raised.value
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="ptrres.vllm"):
+        assert handler.transfer_async(job_id, src, dst) is True
+    transfer = handler._transfers[-1]
+    assert (transfer.job_id, transfer.failed, transfer.num_bytes) == (job_id, True, 0)
+    result = handler.get_finished()[-1]
+    assert (result.job_id, result.success) == (job_id, False)
+    assert engine.calls[before:] == []
+    (record,) = [r for r in caplog.records if r.name == "ptrres.vllm"]
+    assert f"job {job_id} failed, nothing copied" in record.getMessage()
+    logged = record.args[-1]  # type: ignore[index]
+    assert isinstance(logged, error)
+    return logged
 
 
 def padded_rows(num_rows: int, row_bytes: int, pad: int) -> Any:
