@@ -1,8 +1,13 @@
-"""vLLM's transfer_async, patched by ptrres or not (issues 12 and 21).
+"""vLLM's transfer_async, patched by ptrres or not (issues 12, 21 and 39).
 
 End-to-end CPU time of ``SingleDirectionOffloadingHandler.transfer_async``,
 vLLM's own against ptrres.vllm's, on the same handler, in one process, in
-interleaved rounds. The handler is vLLM's, built through its real __init__ on
+interleaved rounds. On vLLM 0.34, whose offloading connector resolves each
+job (``pointer_utils.resolve_device_pointers``) before the handler fills its
+buffers from the DevicePointers, a job is both: vLLM's resolve and
+transfer_async against the patched connector's resolve and the patched
+transfer_async; a second table times the resolve alone, vLLM's
+``pointer_utils.resolve_device_pointers`` against the one patched in. The handler is vLLM's, built through its real __init__ on
 CPU tensors (the device side a tensor subclass that reports is_cuda); streams
 and events are stubs and the copy is skipped (``_swap_blocks_batch`` does
 nothing), so what is timed is vLLM's Python and the descriptor fill: what a
@@ -27,7 +32,7 @@ it, vLLM's own unpatched ``transfer_async`` on the same handler, and vLLM's
 own constructor; on an empty Numba cache (a new folder per round) and on the
 warm cache the previous round left.
 
-Any installed vLLM that ptrres.vllm supports (0.30 to 0.33) works; the table
+Any installed vLLM that ptrres.vllm supports (0.30 to 0.34) works; the table
 says which ran.
 
 Run: python benchmarks/vllm_transfer.py [--quick] [--canonical-only]
@@ -70,6 +75,11 @@ from ptrres.bench import (
     make_spec,
 )
 from ptrres.vllm import _handler
+
+# vLLM 0.34: the connector resolves each job, and the handler takes
+# DevicePointers: transfer_async(job_id, device_ptrs, cpu_spec).
+DEVICE_POINTERS = hasattr(worker, "iter_pointer_groups")
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker"
 
 LAYOUTS = ["llama-3.1-8b", "llama-3.1-70b-tp4", "hybrid-4x12"]
 CANONICAL_LAYOUTS = list(CANONICAL_PRESETS)
@@ -131,6 +141,9 @@ class FakePlatform:
     def is_rocm(self) -> bool:
         return False
 
+    def is_cuda_alike(self) -> bool:
+        return False
+
 
 def skip_copy(*args: Any, **kwargs: Any) -> None:
     """The copy engine, skipped: only the CPU work is timed."""
@@ -163,13 +176,29 @@ def handler_for(name: str, gpu_to_cpu: bool) -> Any:
         ]
         for group in kv.group_data_refs
     ]
+    return new_handler(gpu, cpu, refs, gpu_to_cpu)
+
+
+def new_handler(
+    gpu: list[Any], cpu: list[Any], refs: list[Any], gpu_to_cpu: bool, **options: Any
+) -> Any:
+    """vLLM's handler through its real __init__, the copy skipped; on 0.34
+    without GPU tensors, which its ``kv_caches`` attribute (set here) holds
+    for the resolve."""
     handler = worker.SingleDirectionOffloadingHandler(
-        gpu_tensors=gpu,
+        **({} if DEVICE_POINTERS else {"gpu_tensors": gpu}),
         cpu_tensors=cpu,
         blocks_per_chunk=BLOCKS_PER_CHUNK,
         layer_refs_per_group=refs,
         gpu_to_cpu=gpu_to_cpu,
+        **options,
     )
+    if DEVICE_POINTERS:
+        from vllm.v1.kv_offload.base import CanonicalKVCaches, CanonicalKVCacheTensor
+
+        handler.kv_caches = CanonicalKVCaches(
+            [CanonicalKVCacheTensor(t, int(t.shape[1])) for t in gpu], refs
+        )
     handler._swap_blocks_batch = skip_copy
     return handler
 
@@ -205,16 +234,7 @@ def canonical_handler_for(name: str, gpu_to_cpu: bool) -> Any:
         for _ in range(preset.num_layers)
     ]
     refs = [[CanonicalKVCacheRef(t, local, mapping) for t in range(len(gpu))]]
-    handler = worker.SingleDirectionOffloadingHandler(
-        gpu_tensors=gpu,
-        cpu_tensors=cpu,
-        blocks_per_chunk=BLOCKS_PER_CHUNK,
-        layer_refs_per_group=refs,
-        gpu_to_cpu=gpu_to_cpu,
-        canonical_layout=True,
-    )
-    handler._swap_blocks_batch = skip_copy
-    return handler
+    return new_handler(gpu, cpu, refs, gpu_to_cpu, canonical_layout=True)
 
 
 def canonical_specs(blocks: int, gpu_to_cpu: bool) -> tuple[Any, Any]:
@@ -239,6 +259,22 @@ def vllm_specs(name: str, blocks: int, gpu_to_cpu: bool) -> tuple[Any, Any]:
     )
     cpu_spec = CPULoadStoreSpec(chunk_ids.tolist())
     return (gpu_spec, cpu_spec) if gpu_to_cpu else (cpu_spec, gpu_spec)
+
+
+def jobs(
+    resolve: Callable[[Any, Any], Any], transfer: Callable[..., bool]
+) -> Callable[..., bool]:
+    """vLLM 0.34's job: the connector's resolve, then the handler's
+    transfer_async, as ``transfer(handler, job_id, src_spec, dst_spec)``."""
+
+    def job(handler: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        gpu_spec, cpu_spec = (
+            (src_spec, dst_spec) if handler.gpu_to_cpu else (dst_spec, src_spec)
+        )
+        device_ptrs = resolve(gpu_spec, handler.kv_caches)
+        return transfer(handler, job_id, device_ptrs, cpu_spec)
+
+    return job
 
 
 def time_transfers(
@@ -276,7 +312,7 @@ def compare(
 
 
 def check_same_descriptors(
-    vllm_transfer: Callable[..., bool], handler: Any, specs: tuple[Any, Any]
+    contenders: dict[str, Callable[..., bool]], handler: Any, specs: tuple[Any, Any]
 ) -> int:
     """Both paths submit the same descriptors (checked before timing them)."""
     submitted: list[tuple[bytes, ...]] = []
@@ -285,8 +321,8 @@ def check_same_descriptors(
         submitted.append(tuple(t.numpy().tobytes() for t in (src, dst, sizes)))
 
     handler._swap_blocks_batch = record
-    vllm_transfer(handler, 0, *specs)
-    handler.transfer_async(1, *specs)
+    contenders["vllm"](handler, 0, *specs)
+    contenders["ptrres"](handler, 1, *specs)
     handler.get_finished()
     handler._swap_blocks_batch = skip_copy
     # A store whose blocks all go to other writers submits nothing, either way.
@@ -299,31 +335,40 @@ def check_same_descriptors(
 
 def first_transfer_child() -> dict[str, float]:
     """In a fresh interpreter: what building a patched handler and its first
-    transfer cost, against later calls and vLLM's own (seconds)."""
+    transfer cost, against later calls and vLLM's own (seconds). On vLLM
+    0.34 the handler is CPUOffloadingWorker's (built through its patched
+    __init__) and a transfer is a whole job, resolve included."""
     import vllm.plugins
 
     vllm.plugins.load_general_plugins()  # type: ignore[no-untyped-call]
     assert plugin.is_patched(), "vLLM's loader did not patch (is ptrres installed?)"
     stub_vllm()
     start = time.perf_counter()
-    handler = handler_for("llama-3.1-8b", True)
+    handler = store_handler("llama-3.1-8b")
     constructor = time.perf_counter() - start
+    transfer, vllm_transfer = type(handler).transfer_async, _handler.vllm_transfer_async
+    if DEVICE_POINTERS:
+        import importlib
+
+        from ptrres.vllm import _state
+
+        resolve = importlib.import_module(CONNECTOR_MODULE).resolve_device_pointers
+        transfer = jobs(resolve, transfer)
+        vllm_transfer = jobs(_state.vllm_own(resolve), vllm_transfer)
     specs = vllm_specs("llama-3.1-8b", 16, True)
     start = time.perf_counter()
-    handler.transfer_async(0, *specs)
+    transfer(handler, 0, *specs)
     first = time.perf_counter() - start
     handler.get_finished()
     later = statistics.median(
-        time_transfers(type(handler).transfer_async, handler, specs, 1)
-        for _ in range(51)
+        time_transfers(transfer, handler, specs, 1) for _ in range(51)
     )
     vllms = statistics.median(
-        time_transfers(_handler.vllm_transfer_async, handler, specs, 1)
-        for _ in range(51)
+        time_transfers(vllm_transfer, handler, specs, 1) for _ in range(51)
     )
     plugin.unpatch()
     start = time.perf_counter()
-    handler_for("llama-3.1-8b", True)
+    store_handler("llama-3.1-8b")
     vllm_constructor = time.perf_counter() - start
     return {
         "constructor": constructor,
@@ -332,6 +377,23 @@ def first_transfer_child() -> dict[str, float]:
         "later": later,
         "vllm": vllms,
     }
+
+
+def store_handler(name: str) -> Any:
+    """A preset's store handler as vLLM builds it: through the handler's own
+    __init__, or on 0.34 through CPUOffloadingWorker's (three handlers)."""
+    handler = handler_for(name, True)
+    if not DEVICE_POINTERS:
+        return handler
+    offloading = worker.CPUOffloadingWorker(
+        kv_caches=handler.kv_caches,
+        blocks_per_chunk=BLOCKS_PER_CHUNK,
+        num_cpu_chunks=NUM_CPU_CHUNKS,
+    )
+    store = offloading._store_handler
+    store.kv_caches = handler.kv_caches
+    store._swap_blocks_batch = skip_copy
+    return store
 
 
 def first_transfer_table(rounds: int) -> None:
@@ -408,11 +470,7 @@ def main() -> None:
     print(f"vLLM {vllm.__version__}, ptrres {ptrres.__version__}\n")
 
     stub_vllm()
-    vllm_transfer = worker.SingleDirectionOffloadingHandler.transfer_async
-    patched = plugin.patch()
-    assert patched, "ptrres.vllm did not patch vLLM"
-    ptrres_transfer = worker.SingleDirectionOffloadingHandler.transfer_async
-    contenders = {"vllm": vllm_transfer, "ptrres": ptrres_transfer}
+    contenders = patched_contenders()
 
     print(
         "| layout | blocks/group | direction | descriptors | vLLM us | ptrres us "
@@ -436,7 +494,7 @@ def main() -> None:
             handler = make_handler(gpu_to_cpu)
             for blocks in BLOCKS:
                 specs = make_specs(blocks, gpu_to_cpu)
-                descriptors = check_same_descriptors(vllm_transfer, handler, specs)
+                descriptors = check_same_descriptors(contenders, handler, specs)
                 timing = compare(contenders, handler, specs, seconds=seconds)
                 speedup = timing["vllm"] / timing["ptrres"]
                 speedups.append(speedup)
@@ -447,11 +505,103 @@ def main() -> None:
                     flush=True,
                 )
             del handler
-    plugin.unpatch()
     print(
-        f"\ngeometric mean {geometric_mean(speedups):.1f}x (target >= 10x), "
-        f"lowest {min(speedups):.1f}x (target >= 3x)"
+        f"\ngeometric mean {geometric_mean(speedups):.1f}x (target >= "
+        f"{20 if DEVICE_POINTERS else 10}x), lowest {min(speedups):.1f}x "
+        "(target >= 3x)"
     )
+    if DEVICE_POINTERS and not args.canonical_only:
+        resolve_table(seconds)
+    plugin.unpatch()
+
+
+def patched_contenders() -> dict[str, Callable[..., bool]]:
+    """vLLM's own transfer and the patched one (on 0.34: each a whole job,
+    resolve included), vLLM patched from here on."""
+    import importlib
+
+    vllm_transfer = worker.SingleDirectionOffloadingHandler.transfer_async
+    connector = importlib.import_module(CONNECTOR_MODULE) if DEVICE_POINTERS else None
+    vllm_resolve = None if connector is None else connector.resolve_device_pointers
+    patched = plugin.patch()
+    assert patched, "ptrres.vllm did not patch vLLM"
+    ptrres_transfer = worker.SingleDirectionOffloadingHandler.transfer_async
+    if connector is None:
+        return {"vllm": vllm_transfer, "ptrres": ptrres_transfer}
+    assert connector.resolve_device_pointers is not vllm_resolve
+    return {
+        "vllm": jobs(vllm_resolve, vllm_transfer),
+        "ptrres": jobs(connector.resolve_device_pointers, ptrres_transfer),
+    }
+
+
+def resolve_table(seconds: float) -> None:
+    """vLLM 0.34's pointer_utils.resolve_device_pointers, its own against the
+    one patched in (vLLM's DevicePointers either way), at 1 and 16 blocks."""
+    from vllm.v1.kv_offload import pointer_utils
+
+    vllm_resolve = _state_original(pointer_utils, "resolve_device_pointers")
+    contenders = {"vllm": vllm_resolve, "ptrres": pointer_utils.resolve_device_pointers}
+    print(
+        "\n| layout | blocks | descriptors | vLLM's resolve us | patched us | speedup |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    speedups = []
+    for name in LAYOUTS:
+        handler = handler_for(name, True)
+        for blocks in (1, 16):
+            spec, _ = vllm_specs(name, blocks, True)
+            ours = contenders["ptrres"](spec, handler.kv_caches)
+            theirs = contenders["vllm"](spec, handler.kv_caches)
+            assert ours.ptrs.tobytes() == theirs.ptrs.tobytes()
+            timing = compare_calls(contenders, (spec, handler.kv_caches), seconds)
+            speedup = timing["vllm"] / timing["ptrres"]
+            speedups.append(speedup)
+            print(
+                f"| {name} | {blocks} | {len(ours.ptrs)} "
+                f"| {timing['vllm'] * 1e6:.2f} | {timing['ptrres'] * 1e6:.2f} "
+                f"| {speedup:.1f}x |",
+                flush=True,
+            )
+    print(
+        f"\nresolve alone, 1 and 16 blocks: geometric mean "
+        f"{geometric_mean(speedups):.1f}x (target >= 30x), lowest "
+        f"{min(speedups):.1f}x"
+    )
+
+
+def _state_original(owner: Any, name: str) -> Any:
+    """vLLM's own attribute behind a patched one."""
+    from ptrres.vllm import _state
+
+    return _state.vllm_own(getattr(owner, name))
+
+
+def compare_calls(
+    contenders: dict[str, Callable[..., Any]],
+    arguments: tuple[Any, ...],
+    seconds: float,
+    rounds: int = 7,
+) -> dict[str, float]:
+    """Median seconds per call of each contender on ``arguments``, in
+    interleaved rounds of as many calls as fill its share of ``seconds``."""
+
+    def per_call(call: Callable[..., Any], n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            call(*arguments)
+        return (time.perf_counter() - start) / n
+
+    batch = seconds / (rounds * len(contenders))
+    calls = {
+        name: max(3, int(batch / max(per_call(call, 3), 1e-7)))
+        for name, call in contenders.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, call in contenders.items():
+            times[name].append(per_call(call, calls[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 if __name__ == "__main__":
