@@ -325,10 +325,6 @@ def match_path(
          if path in records),
         key=lambda item: item[0] != installed,
     )  # fmt: skip
-    try:  # TEMPORARY until the file worker's patch lands
-        path_code(path, VARIANTS[path][-1])
-    except ImportError as error:
-        return str(error)
     found: dict[str, Fingerprint] = {}
 
     def fingerprint_of(variant: str) -> Fingerprint:
