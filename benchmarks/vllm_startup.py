@@ -3,10 +3,13 @@
 Fresh interpreters, with ptrres's entry point and without it (``VLLM_PLUGINS``
 naming only the plugins vLLM ships), alternating, medians:
 
-- ``offloading``: vLLM's offloading worker (``gpu_worker``) imported first,
-  as in a worker that offloads; then ``load_general_plugins()`` timed. With
-  ptrres it patches the handler's path there, and imports nothing of the
-  NIXL connector (before issue 35 it did: 2755 ms more).
+- ``offloading``: vLLM's offloading worker (``gpu_worker``, and the
+  OffloadingConnector's worker module, which on 0.34 resolves each job
+  through ``pointer_utils``) imported first, as in a worker that offloads;
+  then ``load_general_plugins()`` timed. With ptrres it patches the
+  offloading paths there (on 0.34: pointer_utils, the connector's resolve,
+  the handler; each path's fingerprint computed there), imports no numba,
+  and nothing of the NIXL connector (before issue 35 it did: 2755 ms more).
 - ``api``: nothing of vLLM's paths imported (the API server); then
   ``load_general_plugins()`` timed.
 - ``nixl``: ``load_general_plugins()``, then vLLM's import of its NIXL
@@ -37,6 +40,7 @@ case = sys.argv[1]
 import vllm.plugins
 if case == "offloading":
     import vllm.v1.kv_offload.cpu.gpu_worker
+    import vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker
 report = {}
 start, cpu = time.perf_counter(), time.process_time()
 vllm.plugins.load_general_plugins()
