@@ -1,7 +1,8 @@
-"""NIXL transfers between engines of different TP (issue 34, item 6): per
-prefill -> decode TP pair, the descriptors one decode rank posts, building
-them with ptrres against vLLM 0.33's own code into the same prepared lists,
-and building plus posting them over UCX.
+"""NIXL transfers between engines of different TP (issue 34, item 6; the
+push, issue 40): per prefill -> decode TP pair, the descriptors one decode
+rank posts, building them with ptrres against vLLM's own code into the same
+prepared lists, a prefill rank's push against vLLM's push worker, and
+building plus posting over UCX.
 
 Models: llama-3.1-8b and llama-3.1-70b (the presets' 32 and 80 layers, 8 KV
 heads of 128 values, 16-token blocks, bf16), K and V as separate refs of
@@ -54,12 +55,29 @@ a few transfers of each size bucket, spread over each trace.
    Each way is first checked to move the right bytes (every head of every
    page of the moved blocks, against the prefill process's bytes).
 
-By default the setup and building run on every trace, two transfers per
-size bucket, 5 rounds; the UCX part on one trace (vllm033-lru), one
+4. A push (issue 40), per transfer: prefill rank P-1 WRITEs its heads to
+   every decode rank it writes, from the request's ids (Python lists, as
+   vLLM's scheduler and the decode engine's registration give them) to what
+   NIXL takes, interleaved in one process: ``vllm``: the installed vLLM's
+   own push path, ``_do_start_push_kv`` through ``_xfer_blocks_for_req`` and
+   ``_xfer_blocks`` (its prefix-hit trim, ``_compute_desc_ids`` on both
+   sides) to ``make_prepped_xfer``, on a bare push worker whose NIXL wrapper
+   posts nothing, its lists built by its own add_remote_agent code (split
+   per target where decode TP is larger); ``ptrres``: ``uncached_suffix``,
+   ``prepped_indices`` of the local ids once and of the remote ids per
+   target rank (ptrres.push_mapping); ``plan``: ``uncached_suffix``, then
+   ``plan_peer_transfer(heads=)`` and ``peer_xfer_descs`` per target rank.
+   vLLM's indices and lists are checked equal to ptrres's first.
+
+The descriptor ids are vLLM 0.33's ``_compute_desc_ids`` or 0.34's (which
+pairs regions, ``pairs=``), whichever is installed.
+
+By default the setup, building and push run on every trace, two transfers
+per size bucket, 5 rounds; the UCX part on one trace (vllm033-lru), one
 transfer per bucket, 3 rounds (a 2-core machine moves the 70B transfers
 for minutes otherwise).
 
-Run: python benchmarks/nixl_tp.py [--quick] [--only setup|build|ucx]...
+Run: python benchmarks/nixl_tp.py [--quick] [--only setup|build|push|ucx]...
      [--per-bucket N] [--rounds N] [--seconds S] [--ucx-trace NAME]...
      [--ucx-per-bucket N] [--ucx-rounds N] [--page-divisor N]
 """
@@ -68,6 +86,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import multiprocessing
 import os
 import platform
@@ -330,15 +349,23 @@ def vllm_indices(
     remote_blocks: int,
     regions: int,
 ) -> tuple[Any, Any]:
-    """One _read_blocks' two _compute_desc_ids calls, as vLLM makes them."""
+    """One _read_blocks' two _compute_desc_ids calls, as vLLM makes them
+    (0.34 pairs the regions, ``pairs=(regions, groups)``; before, the
+    regions' groups say)."""
+    if "pairs" in inspect.signature(worker._compute_desc_ids).parameters:
+        grouping: dict[str, Any] = {"pairs": (range(regions), [0] * regions)}
+    else:
+        grouping = {
+            "region_group_ids": [0] * regions,
+            "uses_region_group_mapping": False,
+        }
     remote = worker._compute_desc_ids(
         block_ids=[remote_ids],
         dst_num_blocks=remote_blocks,
         block_size_ratio=None,
         physical_blocks_per_logical=1,
         region_num_blocks=[remote_blocks] * regions,
-        region_group_ids=[0] * regions,
-        uses_region_group_mapping=False,
+        **grouping,
     )
     local = worker._compute_desc_ids(
         block_ids=[local_ids],
@@ -346,8 +373,7 @@ def vllm_indices(
         block_size_ratio=1,
         physical_blocks_per_logical=1,
         region_num_blocks=[local_blocks] * regions,
-        region_group_ids=[0] * regions,
-        uses_region_group_mapping=False,
+        **grouping,
     )
     return local, remote
 
@@ -697,6 +723,408 @@ def geomean(values: Sequence[float]) -> float:
     return float(np.exp(np.mean(np.log(values))))
 
 
+# --- A push: one prefill rank WRITEs its heads to the decode ranks ------------
+
+PUSH_CONTENDERS = ("vllm", "ptrres", "plan")
+
+
+class NoRecord(dict[str, list[int]]):
+    """The push worker's _sending_transfers, keeping nothing: each request's
+    handles go to a list of its own, dropped (the benchmark repeats one
+    request)."""
+
+    def __missing__(self, key: str) -> list[int]:
+        return []
+
+
+class PushNixl:
+    """The push worker's NIXL wrapper: prepared lists by handle, and the last
+    WRITE's handles and indices per remote list (read by the check); posts
+    nothing."""
+
+    def __init__(self) -> None:
+        self.lists: list[tuple[str, Any]] = []
+        self.writes: dict[int, tuple[int, Any, Any]] = {}
+
+    def prep_xfer_dlist(self, agent_name: str, rows: Any, **_: Any) -> int:
+        self.lists.append((agent_name, rows))
+        return len(self.lists) - 1
+
+    def make_prepped_xfer(
+        self,
+        op: str,
+        local: int,
+        local_ids: Any,
+        remote: int,
+        remote_ids: Any,
+        notif_msg: Any = None,
+    ) -> int:
+        self.writes[remote] = (local, local_ids, remote_ids)
+        return remote
+
+    def transfer(self, handle: int) -> str:
+        return "PROC"
+
+
+@dataclass
+class PrefillRank:
+    """The measured prefill rank (P - 1) of one pair: its table, the decode
+    ranks it writes (their layouts from their handshakes), its push mapping,
+    vLLM's bare push worker over the same numbers, and the buffers ptrres
+    writes into."""
+
+    model: str
+    prefill_tp: int
+    decode_tp: int
+    num_refs: int
+    mapping: ptrres.PushMapping
+    table: ptrres.PointerTable
+    peers: dict[int, ptrres.PeerLayout]
+    worker: Any
+    nixl: PushNixl
+    local_out: IdArray
+    remote_out: dict[int, IdArray]
+    plan_out: tuple[npt.NDArray[np.uint64], ...]
+    rows_out: dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]
+
+    def label(self) -> str:
+        return f"{self.prefill_tp}->{self.decode_tp}"
+
+    def build(self, contender: str, local_ids: list[int], remote_ids: list[int]) -> Any:
+        """One push of a request's blocks (Python lists, as vLLM's scheduler
+        and the decode engine's registration give them): vLLM's whole push
+        path from the registration to its WRITEs, or ptrres's indices (or
+        plans) for every target rank."""
+        if contender == "vllm":
+            self.worker._do_start_push_kv(
+                "request",
+                [local_ids],
+                {
+                    "decode_engine_id": "decode",
+                    "local_block_ids": [remote_ids],
+                    "request_id": "request-at-decode",
+                    "decode_host": "127.0.0.1",
+                    "decode_port": 0,
+                    "decode_tp_size": self.decode_tp,
+                },
+            )
+            return self.nixl.writes
+        suffix = ptrres.uncached_suffix(
+            ptrres.GPULoadStoreSpec(local_ids), (len(remote_ids),)
+        )
+        remote = np.asarray(remote_ids, np.int64)
+        if contender == "ptrres":
+            local = pn.prepped_indices(self.table, suffix, out=self.local_out)
+            return {
+                s.source_rank: (
+                    local,
+                    pn.prepped_indices(
+                        self.peers[s.source_rank],
+                        remote,
+                        out=self.remote_out[s.source_rank],
+                    ),
+                )
+                for s in self.mapping.slices
+            }
+        built = {}
+        for s in self.mapping.slices:
+            plan = self.table.plan_peer_transfer(
+                suffix, self.peers[s.source_rank], remote, heads=s, out=self.plan_out
+            )
+            built[s.source_rank] = pn.peer_xfer_descs(
+                plan, local=self.table, remote=self.peers[s.source_rank],
+                out=self.rows_out[s.source_rank],
+            )  # fmt: skip
+        return built
+
+    def check(self, local_ids: list[int], remote_ids: list[int]) -> int:
+        """vLLM's WRITEs go to the mapping's target ranks, with ptrres's
+        indices, into the lists ptrres's prepped_pair makes; returns the
+        indices per side over the targets."""
+        self.nixl.writes.clear()
+        theirs = self.build("vllm", local_ids, remote_ids)
+        ours = self.build("ptrres", local_ids, remote_ids)
+        names = {h: name for h, (name, _) in enumerate(self.nixl.lists)}
+        by_target = {int(names[h].split("-")[1]): w for h, w in theirs.items()}
+        assert sorted(by_target) == sorted(ours), (self.label(), sorted(by_target))
+        for target, (local_handle, local_ids_v, remote_ids_v) in by_target.items():
+            local, remote = ours[target]
+            assert np.array_equal(local_ids_v, local), (self.label(), target)
+            assert np.array_equal(remote_ids_v, remote), (self.label(), target)
+            heads = self.mapping.slice_of(target)
+            rows = pn.prepped_pair(self.table, self.peers[target], heads)
+            remote_handle = next(
+                h for h, name in names.items() if name == f"decode-{target}"
+            )
+            assert np.array_equal(self.nixl.lists[local_handle][1], rows[0].xfer_list)
+            assert np.array_equal(self.nixl.lists[remote_handle][1], rows[1].xfer_list)
+        return sum(len(local) for local, _ in ours.values())
+
+
+def vllm_push_worker(
+    prefill_tp: int,
+    decode_tp: int,
+    rank: int,
+    table: ptrres.PointerTable,
+    metas: dict[int, Any],
+    remote_blocks: int,
+) -> tuple[Any, PushNixl]:
+    """vLLM's push worker for prefill rank ``rank``, never initialised
+    (``object.__new__``), holding what its push path reads, with the lists
+    its add_remote_agent builds for the decode ranks it handshakes with (its
+    own code: compute_tp_mapping, _build_fa_local, _build_local_splits_from_plan
+    where decode TP is larger, _build_fa_remote)."""
+    import logging
+    import threading
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    base_worker = importlib.import_module(f"{NIXL_PACKAGE}.base_worker")
+    push_worker = importlib.import_module(f"{NIXL_PACKAGE}.push_worker")
+    tp_mapping = importlib.import_module(f"{NIXL_PACKAGE}.tp_mapping")
+    utils = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    topology = utils.TransferTopology(
+        tp_rank=rank,
+        tp_size=prefill_tp,
+        block_size=BLOCK_TOKENS,
+        engine_id="prefill",
+        is_mla=False,
+        is_mamba=False,
+        total_num_kv_heads=NUM_KV_HEADS,
+        attn_backends=[],
+    )
+    rows = pn.prepped_rows(table).xfer_list
+    regions = len(rows)
+    topology.register_remote_engine(
+        "decode",
+        utils.EngineTransferInfo(
+            remote_tp_size=decode_tp,
+            remote_block_len=metas[min(metas)].block_lens[0],
+            remote_block_size=BLOCK_TOKENS,
+            remote_physical_blocks_per_logical=1,
+        ),
+    )
+    nixl = PushNixl()
+    cls = push_worker.NixlPushConnectorWorker
+    bare = type("BarePushWorker", (cls,), {"__del__": lambda self: None})
+    worker: Any = object.__new__(bare)
+    worker.__dict__.update(
+        transfer_topo=topology,
+        engine_id="prefill",
+        world_size=prefill_tp,
+        nixl_wrapper=nixl,
+        use_mla=False,
+        _has_mamba=False,
+        _is_csa_linear=False,
+        _group_spec_types=(FullAttentionSpec,),
+        _region_is_mla=[False] * regions,
+        block_len_per_layer=[int(r[1]) for r in rows],
+        block_stride_per_layer=[int(r[3]) for r in rows],
+        region_num_blocks=[int(r[4]) for r in rows],
+        num_regions=regions,
+        num_blocks=NUM_LOCAL_BLOCKS,
+        _logical_num_blocks=NUM_LOCAL_BLOCKS,
+        device_id=0,
+        _physical_blocks_per_logical_kv_block=1,
+        region_group_ids=[0] * regions,
+        _uses_region_group_mapping=False,
+        _transfer_layer_group_ids=[],
+        _transfer_layer_region_indices=[],
+        _scratch_region_indices=[],
+        _ssm_region_indices=[],
+        _conv_decomp=None,
+        _ple_region_index=None,
+        _ple_group_index=None,
+        _head_sharded_draft_regions=set(),
+        draft_tp_mappings={},
+        tp_mappings={},
+        dst_num_blocks={"decode": remote_blocks, "prefill": NUM_LOCAL_BLOCKS},
+        dst_region_num_blocks={
+            "decode": [remote_blocks] * regions,
+            "prefill": [NUM_LOCAL_BLOCKS] * regions,
+        },
+        dst_region_group_ids={"decode": [0] * regions},
+        dst_uses_region_group_mapping={"decode": False},
+        dst_xfer_side_handles={"decode": {}},
+        src_xfer_handles_by_block_size={},
+        src_xfer_handles_by_tp_ratio={},
+        _remote_agents={"decode": {}},
+        _handshake_lock=threading.Lock(),
+        _handshake_futures={},
+        _engine_ttl=0,
+        _engine_last_active={},
+        _sending_transfers=NoRecord(),
+        _sending_transfers_lock=threading.Lock(),
+        _send_failures=set(),
+    )
+    if hasattr(base_worker, "_RegionPairs"):  # 0.34 pairs regions by layer
+        every = list(range(regions))
+        worker._dst_pairs = {
+            "decode": base_worker._RegionPairs(
+                remote=every, local=every, group=[0] * regions,
+                remote_regions=every, partner=every,
+            )
+        }  # fmt: skip
+    # add_remote_agent's lists, as it builds them.
+    plan = tp_mapping.compute_tp_mapping(topology, decode_tp, (FullAttentionSpec,))
+    worker.tp_mappings["decode"] = plan
+    local = worker._build_fa_local([int(r[0]) for r in rows], 1)
+    worker.src_xfer_handles_by_block_size[BLOCK_TOKENS] = nixl.prep_xfer_dlist(
+        "NIXL_INIT_AGENT", local
+    )
+    tp_ratio = topology.tp_ratio(decode_tp)
+    if worker._needs_split_local_xfer_handles(tp_ratio, plan):
+        num_descs = int(local[:, 4].sum())
+        worker.src_xfer_handles_by_tp_ratio[tp_ratio, BLOCK_TOKENS] = [
+            nixl.prep_xfer_dlist("NIXL_INIT_AGENT", split)
+            for split in worker._build_local_splits_from_plan(plan, local, num_descs, 1)
+        ]
+    for d in topology.handshake_target_ranks(decode_tp):
+        worker._remote_agents["decode"][0, d] = f"decode-{d}"
+        worker.dst_xfer_side_handles["decode"][d] = nixl.prep_xfer_dlist(
+            f"decode-{d}", worker._build_fa_remote(plan, metas[d], 1)
+        )
+    return worker, nixl
+
+
+def prefill_rank(
+    model: str, prefill_tp: int, decode_tp: int, remote_blocks: int, max_ids: int
+) -> PrefillRank:
+    """Prefill rank P - 1 over tensors never allocated, full-size pages."""
+    preset: Preset = PRESETS[model]
+    refs = 2 * preset.refs_per_group
+    rank = prefill_tp - 1
+    mapping = ptrres.push_mapping(rank, prefill_tp, decode_tp, NUM_KV_HEADS)
+    page = NUM_KV_HEADS // prefill_tp * BLOCK_TOKENS * HEAD_TOKEN_BYTES
+    decode_page = NUM_KV_HEADS // decode_tp * BLOCK_TOKENS * HEAD_TOKEN_BYTES
+    table = virtual_table(refs, page, NUM_LOCAL_BLOCKS, 1 << 44)
+    metas = {
+        d: handshake(
+            virtual_table(refs, decode_page, remote_blocks, (2 + d) << 44),
+            f"decode-{d}",
+        )
+        for d in mapping.target_ranks
+    }
+    worker, nixl = vllm_push_worker(
+        prefill_tp, decode_tp, rank, table, metas, remote_blocks
+    )
+    n_ops = max_ids * refs
+
+    def indices() -> IdArray:
+        return touched(np.zeros(n_ops, np.int32))
+
+    def descriptors() -> npt.NDArray[np.uint64]:
+        return touched(np.zeros((n_ops, 3), np.uint64))
+
+    targets = mapping.target_ranks
+    return PrefillRank(
+        model,
+        prefill_tp,
+        decode_tp,
+        refs,
+        mapping,
+        table,
+        {d: ptrres.PeerLayout.from_nixl_metadata(metas[d]) for d in targets},
+        worker,
+        nixl,
+        indices(),
+        {d: indices() for d in targets},
+        tuple(touched(np.zeros(n_ops, np.uint64)) for _ in range(3)),
+        {d: (descriptors(), descriptors()) for d in targets},
+    )
+
+
+def run_push(
+    pairs: Sequence[tuple[int, int]],
+    traces: Sequence[str],
+    per_bucket: int,
+    seconds: float,
+    rounds: int,
+) -> None:
+    found = transfers(traces, per_bucket)
+    remote_blocks = remote_pool(traces)
+    max_ids = max(len(t.local_ids) for t in found)
+    vllm = importlib.import_module("vllm")
+    print(
+        "\n### A push, per transfer: one prefill rank's WRITEs to every decode "
+        "rank it writes, from the request's ids to what NIXL takes\n"
+    )
+    print(
+        f"Prefill rank P-1; {len(found)} transfers ({per_bucket} per size bucket "
+        f"of each of {len(traces)} traces), the ids as Python lists (as vLLM's "
+        "scheduler and the decode engine's registration give them); medians of "
+        f"{rounds} interleaved rounds, then means per transfer over the "
+        f"bucket's transfers; ratios are sums over the same transfers. `vllm`: "
+        f"vLLM {vllm.__version__}'s push path on a bare push worker, "
+        "_do_start_push_kv to make_prepped_xfer (its NIXL posts nothing); "
+        "`ptrres`: uncached_suffix, then prepped_indices of the local ids once "
+        "and of the remote ids once per target rank; `plan`: uncached_suffix, "
+        "then plan_peer_transfer(heads=) and peer_xfer_descs per target rank. "
+        "The indices and lists are checked equal to vLLM's first.\n"
+    )
+    print(
+        "| model | prefill->decode | targets | blocks/transfer | transfers "
+        "| blocks | indices | vllm us | ptrres us | plan us | vllm / ptrres "
+        "| vllm / plan |"
+    )
+    print("|---|---|---:|---|---:|---:|---:|" + "---:|" * 5)
+    ratios: dict[str, list[float]] = {"ptrres": [], "plan": []}
+    slowest: list[str] = []
+    for model in MODELS:
+        for prefill_tp, decode_tp in pairs:
+            rank = prefill_rank(model, prefill_tp, decode_tp, remote_blocks, max_ids)
+            cells: dict[str, list[dict[str, float]]] = {}
+            for t in found:
+                local_ids, remote_ids = t.local_ids.tolist(), t.remote_ids.tolist()
+                cell: dict[str, float] = {
+                    "indices": rank.check(local_ids, remote_ids),
+                    "blocks": len(local_ids),
+                }
+                timing = compare(
+                    {
+                        c: partial(rank.build, c, local_ids, remote_ids)
+                        for c in PUSH_CONTENDERS
+                    },
+                    seconds=seconds,
+                    rounds=rounds,
+                )
+                cell.update({c: timing[c].seconds * 1e6 for c in PUSH_CONTENDERS})
+                cells.setdefault(t.bucket, []).append(cell)
+            for bucket, values in sorted(cells.items(), key=bucket_order):
+
+                def mean(k: str, values: list[dict[str, float]] = values) -> float:
+                    return statistics.fmean(v[k] for v in values)
+
+                def total(k: str, values: list[dict[str, float]] = values) -> float:
+                    return sum(v[k] for v in values)
+
+                row = {c: total("vllm") / total(c) for c in ratios}
+                for c, r in row.items():
+                    ratios[c].append(r)
+                    if r < 1:
+                        slowest.append(f"{model} {rank.label()} {bucket} {c} {r:.2f}x")
+                print(
+                    f"| {model} | {rank.label()} | {len(rank.mapping.slices)} "
+                    f"| {bucket} | {len(values)} | {mean('blocks'):.0f} "
+                    f"| {mean('indices'):.0f} | {mean('vllm'):.1f} "
+                    f"| {mean('ptrres'):.1f} | {mean('plan'):.1f} "
+                    f"| {row['ptrres']:.2f}x | {row['plan']:.2f}x |",
+                    flush=True,
+                )
+    print()
+    for c, found_ratios in ratios.items():
+        print(
+            f"- vllm / {c}: geometric mean {geomean(found_ratios):.2f}x, lowest "
+            f"{min(found_ratios):.2f}x over {len(found_ratios)} rows"
+        )
+    print(
+        "\nA push slower than vLLM's: "
+        + (", ".join(slowest) if slowest else "none")
+        + ".\n"
+    )
+
+
 # --- Over UCX: the prefill engine's source ranks in a second process --------
 
 
@@ -1011,9 +1439,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ucx-rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=0.2)
     parser.add_argument("--page-divisor", type=int, default=PAGE_DIVISOR)
-    parser.add_argument("--only", action="append", choices=("setup", "build", "ucx"))
+    parser.add_argument(
+        "--only", action="append", choices=("setup", "build", "push", "ucx")
+    )
     args = parser.parse_args(argv)
-    sections = set(args.only or ("setup", "build", "ucx"))
+    sections = set(args.only or ("setup", "build", "push", "ucx"))
     pairs = QUICK_PAIRS if args.quick else PAIRS
     traces = ["vllm033-lru"] if args.quick else list(TRACES)
     per_bucket = 1 if args.quick else args.per_bucket
@@ -1025,13 +1455,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"Load average {load_average()} ({os.cpu_count()} CPUs, shared with other "
         f"work), Python {platform.python_version()}. Decode rank D-1 of each "
-        "pair; K and V separate refs, HND pages, 8 KV heads; times in us."
+        "pair (a push: prefill rank P-1); K and V separate refs, HND pages, 8 KV "
+        "heads; times in us."
         + (" Quick run: two pairs, one trace, short timings." if args.quick else "")
     )
     if "setup" in sections:
         run_setup(pairs, seconds, rounds)
     if "build" in sections:
         run_build(pairs, traces, per_bucket, seconds, rounds)
+    if "push" in sections:
+        run_push(pairs, traces, per_bucket, seconds, rounds)
     if "ucx" in sections:
         ucx_traces = ["vllm033-lru"] if args.quick else args.ucx_trace
         ucx_rounds = 1 if args.quick else args.ucx_rounds
