@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -308,3 +308,65 @@ try:
     )
 except ptrres.LayoutError as error:
     print(error)
+
+# %% [markdown]
+# ## A push: prefill ranks write
+#
+# In push mode each prefill rank WRITEs its heads into the decode ranks.
+# `ptrres.push_mapping` is `tp_mapping` seen from the writer: the decode
+# ranks that hold its heads and one `HeadSlice` each (local: its own page;
+# remote: theirs), the same copies as the reads, turned round. Where decode
+# TP exceeds the heads, each decode rank holding a head is written it (every
+# replica); where prefill TP does, the first prefill rank holding a head
+# writes it and its replicas write nothing.
+
+
+# %%
+def push(
+    prefill_tp: int,
+    decode_tp: int,
+    heads: int,
+    local_ids: list[int],
+    remote_ids: list[int],
+) -> None:
+    """Every prefill rank WRITEs local_ids into the decode ranks'
+    remote_ids, then every decode rank's bytes are checked against the
+    logical model."""
+    model = [kv[:, :heads] for kv in logical]
+    prefill = engine(prefill_tp, heads, NUM_PREFILL, model)
+    decode = engine(decode_tp, heads, NUM_DECODE, None)
+    before = [[layer.copy() for layer in layers] for layers, _ in decode]
+    tag = f"push{prefill_tp}to{decode_tp}h{heads}"
+    names = [f"decode{r}-{tag}" for r in range(decode_tp)]
+    registrations = [
+        ptrres.nixl.register(agent(n), t) for n, (_, t) in zip(names, decode)
+    ]
+    peers = [ptrres.PeerLayout.of(table) for _, table in decode]
+    spec = ptrres.GPULoadStoreSpec(np.array(local_ids, np.int32))
+    for rank, (_, table) in enumerate(prefill):
+        writer = agent(f"prefill{rank}-{tag}")
+        registrations.append(ptrres.nixl.register(writer, table))
+        mapping = ptrres.push_mapping(rank, prefill_tp, decode_tp, heads)
+        for s in mapping.slices:
+            peer, name = peers[s.source_rank], names[s.source_rank]
+            writer.add_remote_agent(agent(name).get_agent_metadata())
+            plan = table.plan_peer_transfer(spec, peer, remote_ids, heads=s)
+            descs = ptrres.nixl.peer_xfer_descs(plan, local=table, remote=peer)
+            post(writer, descs.initialize_xfer(writer, "WRITE", name))
+        print(f"  prefill rank {rank} writes decode ranks {list(mapping.target_ranks)}")
+    for rank, (layers, _) in enumerate(decode):
+        mine = holds(rank, decode_tp, heads)
+        for after, old, kv in zip(layers, before[rank], model):
+            expected = old.copy()
+            expected[remote_ids] = kv[local_ids][:, mine].reshape(len(local_ids), -1)
+            assert (after == expected).all(), rank
+    for registration in registrations:
+        registration.deregister()
+    print(
+        f"prefill TP {prefill_tp} -> decode TP {decode_tp}, {heads} heads: "
+        "every decode rank's bytes as the model says"
+    )
+
+
+push(1, 4, 2, [2, 3, 4, 9], [10, 11, 0, 5])  # each head to both of its replicas
+push(4, 1, 2, [2, 3, 4, 9], [10, 11, 0, 5])  # prefill ranks 1 and 3 write nothing
