@@ -45,8 +45,9 @@ would hand the model another layer's bytes without any error. Writing SPEC
 11's layout instead would be sound for this engine but not for the others:
 the FileMapper names a file the same either way, so an unpatched engine
 would read ptrres's bytes at vLLM's offsets. Failing the job is what vLLM
-does with a file it cannot write: stores are reported failed (the blocks
-stay on the GPU side) and loads fail over to recomputation. Where a group's
+does with a file it cannot write or read: the connector reports a store
+failed (nothing is offloaded) and an async load in ``failed_recving``
+(recomputed), and raises for a sync load. Where a group's
 pages differ but vLLM's ranges do not overlap (each ref's pages at least as
 large as every earlier one's), vLLM's layout is sound, only sparse: those
 jobs keep vLLM's own ``_submit_io`` (said once per layout in the log), so
@@ -216,20 +217,30 @@ def _pages_text(pages: Sequence[int]) -> str:
     )
 
 
-# The verdicts of a table's groups, per bsf: None where every group's pages
-# are equal (nothing to check per job).
-_table_verdicts: weakref.WeakKeyDictionary[Any, dict[int, list[Verdict] | None]] = (
+class Pages(NamedTuple):
+    """What a job's pages ask of its op lists."""
+
+    # Each group's verdict, or None where every group's pages are equal.
+    verdicts: list[Verdict] | None
+    # The one page of every ref of the layout, where there is one: each op's
+    # size is then one shared int (cheaper than an int per op).
+    page: int | None = None
+
+
+# A table's Pages, per bsf.
+_table_pages: weakref.WeakKeyDictionary[Any, dict[int, Pages]] = (
     weakref.WeakKeyDictionary()
 )
-_verdicts_lock = threading.Lock()
+_pages_lock = threading.Lock()
 
 
-def table_verdicts(table: PointerTable, bsf: int) -> list[Verdict] | None:
-    """Each group's verdict for a table's layout (computed once per table and
-    bsf), or None where all are None."""
-    by_bsf = _table_verdicts.get(table)
-    if by_bsf is not None and bsf in by_bsf:
-        return by_bsf[bsf]
+def table_pages(table: PointerTable, bsf: int) -> Pages:
+    """A table's Pages (computed once per table and bsf)."""
+    by_bsf = _table_pages.get(table)
+    if by_bsf is not None:
+        found = by_bsf.get(bsf)
+        if found is not None:
+            return found
     from .._kernels.common import PAGE_SIZE
 
     pages = table.ref_table[:, PAGE_SIZE].tolist()
@@ -238,9 +249,12 @@ def table_verdicts(table: PointerTable, bsf: int) -> list[Verdict] | None:
         group_verdict(g, pages[first:end], bsf)
         for g, (first, end) in enumerate(itertools.pairwise(starts))
     ]
-    found = verdicts if any(v is not None for v in verdicts) else None
-    with _verdicts_lock:
-        _table_verdicts.setdefault(table, {})[bsf] = found
+    found = Pages(
+        verdicts if any(v is not None for v in verdicts) else None,
+        pages[0] if len(set(pages)) == 1 else None,
+    )
+    with _pages_lock:
+        _table_pages.setdefault(table, {})[bsf] = found
     return found
 
 
@@ -321,8 +335,8 @@ def failed_job(error: BaseException) -> tuple[list[Any], int]:
     return [completion], 0
 
 
-def plan_job(device_ptrs: Any, bsf: int) -> tuple[FilePlan, list[Verdict] | None]:
-    """Every file's ops of a job, and its groups' verdicts (None: all equal).
+def plan_job(device_ptrs: Any, bsf: int) -> tuple[FilePlan, Pages]:
+    """Every file's ops of a job, and what its pages ask.
 
     From the checked ids where ptrres resolved the pointers, else from the
     pointers.
@@ -333,25 +347,20 @@ def plan_job(device_ptrs: Any, bsf: int) -> tuple[FilePlan, list[Verdict] | None
     table = _pointers.resolved_table(device_ptrs)
     spec = None if table is None else _pointers.resolved_by(device_ptrs, table)
     if table is not None and spec is not None:
-        return table.plan_file_ops(spec, bsf), table_verdicts(table, bsf)
+        return table.plan_file_ops(spec, bsf), table_pages(table, bsf)
     from .._files import plan_file_ops
 
-    return plan_file_ops(device_ptrs, bsf), pointer_verdicts(device_ptrs, bsf)
+    return plan_file_ops(device_ptrs, bsf), Pages(pointer_verdicts(device_ptrs, bsf))
 
 
 def file_op_lists(
-    plan: FilePlan, paths: list[str], file_op: Callable[..., Any]
+    plan: FilePlan, paths: list[str], file_op: Callable[..., Any], page: int | None
 ) -> list[tuple[str, list[Any]]]:
     """``[(path, [FileOp, ...])]``, one entry per file of the plan: every op
-    made by one ``map`` over Python ints, then sliced per file."""
-    ops = list(
-        map(
-            file_op,
-            plan.dev_ptrs.tolist(),
-            plan.sizes.tolist(),
-            plan.file_offsets.tolist(),
-        )
-    )
+    made by one ``map`` over Python ints, then sliced per file. ``page``: the
+    size of every op, where they share one."""
+    sizes = plan.sizes.tolist() if page is None else [page] * len(plan.sizes)
+    ops = list(map(file_op, plan.dev_ptrs.tolist(), sizes, plan.file_offsets.tolist()))
     if len(paths) == 1:
         return [(paths[0], ops)]
     starts = plan.file_starts.tolist()
@@ -387,7 +396,7 @@ def patched_methods(
             return failed_job(refused)
         bsf = self._block_size_factor
         try:
-            plan, verdicts = plan_job(device_ptrs, bsf)
+            plan, pages = plan_job(device_ptrs, bsf)
             if len(keys) != plan.num_files:
                 raise SpecError(
                     f"the job has {len(keys)} offload keys, but its blocks fill "
@@ -395,15 +404,15 @@ def patched_methods(
                     "each non-empty group): each file takes one key"
                 )
             sparse = None
-            if verdicts is not None:
-                sparse = _check_verdicts(verdicts, device_ptrs.group_block_counts)
+            if pages.verdicts is not None:
+                sparse = _check_verdicts(pages.verdicts, device_ptrs.group_block_counts)
         except PtrresError as error:
             return failed_job(error)
         if sparse is not None:  # vLLM's layout, sound here: vLLM's own code
             _said_sparse(sparse)
             return vllm_submit_io(self, device_ptrs, keys, is_store)
         paths = list(map(self._file_mapper.get_file_name, keys))
-        file_ops = file_op_lists(plan, paths, module.FileOp)
+        file_ops = file_op_lists(plan, paths, module.FileOp, pages.page)
         ready_event = module.torch.Event()
         ready_event.record()
         completions = self.submit_io(file_ops, is_store, ready_event)
