@@ -719,7 +719,6 @@ HOSTILE: dict[str, list[Any]] = {
     "NaN": [math.nan, np.float32(math.nan)],
     "wrong type": ["2", None, [2], (), b"\x02", True, object(), {"a": 1}, 2j],
 }
-HOSTILE_KINDS = tuple(HOSTILE)
 
 
 def hostile(kind_log: list[str]) -> st.SearchStrategy[Any]:
@@ -990,7 +989,6 @@ def push_path(fuzz: FuzzTable, given_input: PushInput) -> int:
 
 
 FUZZ_EXAMPLES = 1000
-FUZZ_COUNTS: Counter[str] = Counter()
 
 
 def test_the_push_path_takes_hostile_peer_numbers(
@@ -1028,7 +1026,6 @@ def test_the_push_path_takes_hostile_peer_numbers(
             by_kind[f"{kind}, {refused}"] += 1
 
     run()
-    FUZZ_COUNTS.update(outcomes)
     with capsys.disabled():
         print(
             f"\npush fuzz: {sum(outcomes.values())} cases; by outcome "
