@@ -234,12 +234,23 @@ _table_pages: weakref.WeakKeyDictionary[Any, dict[int, Pages]] = (
 _pages_lock = threading.Lock()
 
 
+# The table, bsf and Pages of the last job: one worker's jobs share them, and
+# a WeakKeyDictionary lookup makes a weak reference every time. (A table
+# holds integers, not tensors: keeping the last one costs nothing.)
+_last_pages: tuple[Any, int, Pages] | None = None
+
+
 def table_pages(table: PointerTable, bsf: int) -> Pages:
     """A table's Pages (computed once per table and bsf)."""
+    global _last_pages
+    last = _last_pages
+    if last is not None and last[0] is table and last[1] == bsf:
+        return last[2]
     by_bsf = _table_pages.get(table)
     if by_bsf is not None:
         found = by_bsf.get(bsf)
         if found is not None:
+            _last_pages = (table, bsf, found)
             return found
     from .._kernels.common import PAGE_SIZE
 
@@ -255,23 +266,49 @@ def table_pages(table: PointerTable, bsf: int) -> Pages:
     )
     with _pages_lock:
         _table_pages.setdefault(table, {})[bsf] = found
+    _last_pages = (table, bsf, found)
     return found
 
 
-def pointer_verdicts(device_ptrs: Any, bsf: int) -> list[Verdict] | None:
-    """Each group's verdict, read from the pointers' sizes (the first op of
-    each ref of each non-empty group), or None where all are None."""
-    from .._groups import iter_pointer_groups
+# Where each ref's first op lies, per shape of DevicePointers (their
+# (group_block_counts, group_data_ref_counts)): the positions, and each
+# non-empty group's (index, first ref, end) among them. Jobs repeat shapes.
+_RefStarts = tuple[Any, list[tuple[int, int, int]]]
+_ref_starts: dict[tuple[Any, Any], _RefStarts] = {}
+_MAX_SHAPES = 256
 
-    sizes = device_ptrs.sizes
-    if len(sizes) == 0 or sizes.min() == sizes.max():
-        return None
-    verdicts: list[Verdict] = [None] * len(device_ptrs.group_block_counts)
-    for info in iter_pointer_groups(device_ptrs, bsf):
-        n, first = info.group_size, info.dev_ptr_offset
-        pages = sizes[first : first + n * info.n_data_refs : n].tolist()
-        verdicts[info.group_idx] = group_verdict(info.group_idx, pages, bsf)
-    return verdicts if any(v is not None for v in verdicts) else None
+
+def pointer_pages(device_ptrs: Any, bsf: int) -> Pages:
+    """A job's Pages, read from its pointers' sizes (each ref's first op),
+    once ptrres has planned them (its counts and sizes checked)."""
+    import numpy as np
+
+    key = (
+        tuple(device_ptrs.group_block_counts),
+        tuple(device_ptrs.group_data_ref_counts),
+    )
+    starts = _ref_starts.get(key)
+    if starts is None:
+        positions: list[int] = []
+        groups = []
+        op = 0
+        for g, (n, refs) in enumerate(zip(*key)):
+            if n and refs:
+                groups.append((g, len(positions), len(positions) + refs))
+                positions += range(op, op + n * refs, n)
+            op += n * refs
+        starts = (np.array(positions, np.intp), groups)
+        if len(_ref_starts) >= _MAX_SHAPES:
+            _ref_starts.clear()
+        _ref_starts[key] = starts
+    positions_array, groups = starts
+    pages = np.asarray(device_ptrs.sizes)[positions_array].tolist()
+    if len(set(pages)) <= 1:
+        return Pages(None, pages[0] if pages else None)
+    verdicts: list[Verdict] = [None] * len(key[0])
+    for g, first, end in groups:
+        verdicts[g] = group_verdict(g, pages[first:end], bsf)
+    return Pages(verdicts if any(v is not None for v in verdicts) else None)
 
 
 @functools.cache
@@ -348,9 +385,21 @@ def plan_job(device_ptrs: Any, bsf: int) -> tuple[FilePlan, Pages]:
     spec = None if table is None else _pointers.resolved_by(device_ptrs, table)
     if table is not None and spec is not None:
         return table.plan_file_ops(spec, bsf), table_pages(table, bsf)
+    plan = (_from_pointers or _pointer_planner())(device_ptrs, bsf)
+    return plan, pointer_pages(device_ptrs, bsf)
+
+
+# ptrres.plan_file_ops, imported on the first plan from pointers (with the
+# kernels, and numba): an import statement costs microseconds on every job.
+_from_pointers: Callable[[Any, int], FilePlan] | None = None
+
+
+def _pointer_planner() -> Callable[[Any, int], FilePlan]:
+    global _from_pointers
     from .._files import plan_file_ops
 
-    return plan_file_ops(device_ptrs, bsf), Pages(pointer_verdicts(device_ptrs, bsf))
+    _from_pointers = plan_file_ops
+    return plan_file_ops
 
 
 def file_op_lists(
