@@ -99,14 +99,21 @@ class PointerTable(TableColumns):
         except AttributeError:
             raise missing_attributes(device_spec, SPEC_FIELDS, "device_spec") from None
         block_ids = block_ids_arg(raw_ids)
-        n_ops, _, group_sizes, block_indices = check_groups(
+        counts = check_groups(
             raw_sizes,
             raw_indices,
             len(block_ids),
             self.group_data_ref_counts,
             self.group_page_bytes,
         )
-        ptrs, sizes = out_arrays(out, n_ops, PTRS_SIZES)
+        return self._resolve(block_ids, counts, out)
+
+    def _resolve(
+        self, block_ids: npt.NDArray[Any], counts: GroupCounts, out: Buffers | None
+    ) -> DevicePointers:
+        """resolve() of a spec read and checked already (_read_spec)."""
+        group_sizes = counts.group_sizes
+        ptrs, sizes = out_arrays(out, counts.n_ops, PTRS_SIZES)
         status = _kernels.resolve_kernel(
             self.ref_table,
             self.group_ref_start,
@@ -123,7 +130,7 @@ class PointerTable(TableColumns):
             raise resolve_error(self._groups, block_ids, group_sizes)
         # Positional: keywords would cost a fifth of a microsecond.
         return DevicePointers(
-            ptrs, sizes, group_sizes, self.group_data_ref_counts, block_indices
+            ptrs, sizes, group_sizes, self.group_data_ref_counts, counts.block_indices
         )
 
     def plan_transfer(

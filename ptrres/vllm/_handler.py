@@ -13,18 +13,9 @@ submitted. Two forms, one per shape of vLLM's handler:
   compiled) and builds the handler's PointerTable and OffloadedLayout (its
   HandlerPlan), so that no transfer compiles or loads anything. A bad id
   raises from ``transfer_async`` before anything is submitted.
-- 0.34: the connector resolves each job (``pointer_utils``) and hands the
-  handler ``DevicePointers``: ``transfer_async(job_id, device_ptrs,
-  cpu_spec)``. The handlers hold no GPU tensors: the patched
-  ``CPUOffloadingWorker.__init__`` runs vLLM's own, makes the kernels ready,
-  and builds one table from its KV caches (the one the connector's resolve
-  uses) and a plan per handler. DevicePointers that ptrres resolved with
-  that table are planned from their checked ids, in one compiled pass;
-  others from their pointers, each checked. A bad id, pointer or CPU chunk
-  id fails that job as 0.34 fails a job whose copy failed (a failed
-  ``Transfer``: the connector reports the store failed, or the load, and a
-  sync load raises there), with nothing copied, and the error (group,
-  position, value) in the log; the engine goes on.
+- 0.34: the connector resolves each job and hands the handler
+  ``DevicePointers``: ``ptrres.vllm._handler_pointers``, on what this module
+  shares (the plan, the buffers, the submission).
 
 ``ptrres.vllm._patching`` decides what to replace and when, and sets
 ``vllm_transfer_async``; this module reads only the handler's attributes and,
@@ -41,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _pointers, _state
+from . import _state
 from ._release import WORKER_MODULE
 from ._state import HANDLER
 from ._warmup import warm_up_kernels
@@ -52,12 +43,12 @@ if TYPE_CHECKING:
 
 # Where a handler keeps its ptrres state: a HandlerPlan, built by the patched
 # __init__ (or on the first transfer of a handler built before patch()), or
-# _DECLINED when ptrres could not plan for it.
-_STATE_ATTRIBUTE = "_ptrres_plan"
-_DECLINED = "declined"
+# DECLINED when ptrres could not plan for it.
+STATE_ATTRIBUTE = "_ptrres_plan"
+DECLINED = "declined"
 # What the patched transfer_async reads of a handler, which vLLM's __init__
 # sets: in 0.30 to 0.33, and in 0.34.
-_SUBMIT_ATTRIBUTES = (
+SUBMIT_ATTRIBUTES = (
     "gpu_to_cpu",
     "layer_refs_per_group",
     "_canonical_copy_plans",
@@ -69,15 +60,12 @@ _SUBMIT_ATTRIBUTES = (
     "_transfer_events",
 )
 _HANDLER_ATTRIBUTES = (
-    *_SUBMIT_ATTRIBUTES,
+    *SUBMIT_ATTRIBUTES,
     "src_tensors",
     "dst_tensors",
     "src_blocks_per_chunk",
     "dst_blocks_per_chunk",
 )
-_HANDLER_034_ATTRIBUTES = (*_SUBMIT_ATTRIBUTES, "cpu_tensors", "blocks_per_chunk")
-# CPUOffloadingWorker's three handlers (0.34).
-_WORKER_HANDLERS = ("_store_handler", "_load_handler", "_expedited_load_handler")
 
 # vLLM's own transfer_async, kept past unpatch() for handlers whose transfers
 # vLLM builds (and for a patched method someone held on to). patch() sets it.
@@ -143,7 +131,7 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     ptrres's BlockIdError or OffloadedIdError (ValueErrors) before anything is
     submitted, and the buffers go back to the pool.
     """
-    state = vars(self).get(_STATE_ATTRIBUTE)
+    state = vars(self).get(STATE_ATTRIBUTE)
     # A handler built before patch() gets its plan now (its kernels compile
     # on first use); one built by the patched __init__ has it already.
     plan = _attach_plan(self) if state is None else state
@@ -155,7 +143,7 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     else:
         gpu_spec, offloaded_ids = dst_spec, src_spec.block_ids
     num_copy_ops = max_copy_ops(self, getattr(gpu_spec, "group_sizes", None))
-    buffers = _take_buffers(self, worker, num_copy_ops)
+    buffers = take_buffers(self, worker, num_copy_ops)
     try:
         descriptors = plan.table.plan_transfer(
             gpu_spec,
@@ -168,7 +156,7 @@ def transfer_async(self: Any, job_id: int, src_spec: Any, dst_spec: Any) -> bool
     except BaseException:
         self._buffer_pool.append(buffers)
         raise
-    _submit(self, worker, job_id, buffers, len(descriptors.src), descriptors.num_bytes)
+    submit(self, worker, job_id, buffers, len(descriptors.src), descriptors.num_bytes)
     return True
 
 
@@ -183,7 +171,7 @@ def _attach_plan(handler: Any, *, warm_up: bool = False) -> HandlerPlan | None:
     """
 
     def build() -> HandlerPlan:
-        _require(handler, _HANDLER_ATTRIBUTES)
+        require(handler, _HANDLER_ATTRIBUTES)
         if warm_up:
             warm_up_kernels()
         built = _handler_plan(handler)
@@ -191,7 +179,7 @@ def _attach_plan(handler: Any, *, warm_up: bool = False) -> HandlerPlan | None:
             rehearse(handler, built)
         return built
 
-    return _keep_plan(handler, build)
+    return keep_plan(handler, build)
 
 
 def _handler_plan(handler: Any) -> HandlerPlan:
@@ -215,7 +203,7 @@ def _handler_plan(handler: Any) -> HandlerPlan:
         [CanonicalKVCacheTensor(t, t.shape[1]) for t in device_tensors],
         handler.layer_refs_per_group,
     )
-    return _plan_of(handler, PointerTable(kv_caches), cpu_tensors, blocks_per_chunk)
+    return plan_of(handler, PointerTable(kv_caches), cpu_tensors, blocks_per_chunk)
 
 
 def rehearse(handler: Any, plan: HandlerPlan) -> None:
@@ -228,147 +216,14 @@ def rehearse(handler: Any, plan: HandlerPlan) -> None:
     the plan only computes pointers, into buffers of vLLM's own kind (int64,
     uint64 on XPU), and copies nothing.
     """
-    spec = _first_blocks(handler)
-    _rehearse_plan(handler, plan, spec)
+    spec = first_blocks(handler)
+    rehearse_plan(handler, plan, spec)
 
 
-# --- vLLM 0.34: transfer_async(job_id, device_ptrs, cpu_spec) ---------------
+# --- what both forms share (0.34's in _handler_pointers) --------------------
 
 
-def patched_worker_init(vllm_init: Callable[..., None]) -> Callable[..., None]:
-    """CPUOffloadingWorker's __init__ (0.34): vLLM's own, then the kernels,
-    one table of its KV caches and a plan for each of its handlers."""
-
-    @functools.wraps(vllm_init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        vllm_init(self, *args, **kwargs)
-        if _state.patched(HANDLER):  # else unpatched since: vLLM's worker alone
-            kv_caches = kwargs["kv_caches"] if "kv_caches" in kwargs else args[0]
-            _attach_worker_plans(self, kv_caches)
-
-    return __init__
-
-
-def transfer_pointers(self: Any, job_id: int, device_ptrs: Any, cpu_spec: Any) -> bool:
-    """vLLM 0.34's ``transfer_async``, its descriptors built by one ptrres plan.
-
-    Same descriptors, num_bytes, buffers, streams and events as vLLM's. The
-    device side comes from the ids ptrres resolved ``device_ptrs`` from
-    (checked), or from their pointers, each checked against its tensor
-    (DevicePointers resolved elsewhere); every CPU chunk id is checked. A
-    refused job, or any ptrres error, fails the job with nothing copied
-    (see the module's docstring).
-    """
-    if not _state.patched(HANDLER):
-        return bool(vllm_transfer_async(self, job_id, device_ptrs, cpu_spec))
-    refused = _pointers.refusal(device_ptrs)
-    if refused is not None:
-        return _fail(self, job_id, refused)
-    plan = vars(self).get(_STATE_ATTRIBUTE)
-    if plan is None:
-        # A handler built outside a patched worker: its plan takes the table
-        # ptrres resolved these pointers with; without one, vLLM's transfer.
-        table = _pointers.resolved_table(device_ptrs)
-        plan = None if table is None else _attach_handler_plan(self, table)
-    if plan is None or isinstance(plan, str):
-        return bool(vllm_transfer_async(self, job_id, device_ptrs, cpu_spec))
-    from .._errors import PtrresError
-
-    worker = sys.modules[WORKER_MODULE]
-    num_copy_ops = max_copy_ops(self, getattr(device_ptrs, "group_block_counts", None))
-    buffers = _take_buffers(self, worker, num_copy_ops)
-    spec = _pointers.resolved_by(device_ptrs, plan.table)
-    try:
-        if spec is not None:
-            descriptors = plan.table.plan_transfer(
-                spec,
-                plan.offloaded,
-                cpu_spec.block_ids,
-                store=self.gpu_to_cpu,
-                out=plan.numpy_views(buffers),
-                coalesce=plan.coalesce,
-            )
-        else:
-            descriptors = plan.table.plan_from_device_pointers(
-                device_ptrs,
-                plan.offloaded,
-                cpu_spec.block_ids,
-                store=self.gpu_to_cpu,
-                out=plan.numpy_views(buffers),
-                coalesce=plan.coalesce,
-            )
-    except PtrresError as error:
-        self._buffer_pool.append(buffers)
-        return _fail(self, job_id, error)
-    except BaseException:
-        self._buffer_pool.append(buffers)
-        raise
-    _submit(self, worker, job_id, buffers, len(descriptors.src), descriptors.num_bytes)
-    return True
-
-
-def _attach_worker_plans(cpu_worker: Any, kv_caches: Any) -> None:
-    """Make the kernels ready and give each of the worker's handlers its plan
-    over one table of ``kv_caches`` (the one the connector's resolve finds:
-    ptrres's table cache keeps it by the very object), rehearsed. Where
-    ptrres cannot (a layout it refuses, a worker or handler of other
-    attributes), the handlers keep vLLM's own transfers, with a warning."""
-    handlers = [getattr(cpu_worker, name, None) for name in _WORKER_HANDLERS]
-    try:
-        missing = [n for n, h in zip(_WORKER_HANDLERS, handlers) if h is None]
-        if missing:
-            raise AttributeError(f"the worker has no {', '.join(missing)}")
-        warm_up_kernels()
-        from .._pointer_utils import table_for
-
-        table = table_for(kv_caches)
-        spec = _first_blocks(handlers[0])
-        _pointers.resolve_device_pointers(spec, kv_caches)  # resolve, rehearsed
-    except Exception as error:
-        _say_declined(cpu_worker, error)
-        for handler in handlers:
-            if handler is not None:
-                setattr(handler, _STATE_ATTRIBUTE, _DECLINED)
-        return
-    for handler in handlers:
-        _attach_handler_plan(handler, table, rehearsal=spec)
-
-
-def _attach_handler_plan(
-    handler: Any, table: PointerTable, *, rehearsal: Any = None
-) -> HandlerPlan | None:
-    """Build a 0.34 handler's plan over ``table`` and keep it on the handler,
-    after planning the spec ``rehearsal`` with it (when given)."""
-
-    def build() -> HandlerPlan:
-        _require(handler, _HANDLER_034_ATTRIBUTES)
-        plan = _plan_of(handler, table, handler.cpu_tensors, handler.blocks_per_chunk)
-        if rehearsal is not None:
-            _rehearse_plan(handler, plan, rehearsal)
-        return plan
-
-    return _keep_plan(handler, build)
-
-
-def _fail(self: Any, job_id: int, error: BaseException) -> bool:
-    """Fail a job (0.34) as vLLM fails one whose copy failed: a failed
-    Transfer, in order behind the transfers before it, nothing copied."""
-    worker = sys.modules[WORKER_MODULE]
-    _state.reporter().error(
-        "ptrres: KV offload %s job %d failed, nothing copied: %s",
-        "GPU->CPU" if self.gpu_to_cpu else "CPU->GPU",
-        job_id,
-        error,
-    )
-    # Empty buffers: a failed transfer's are never pooled again by vLLM.
-    _submit(self, worker, job_id, worker._new_descriptor_buffers(0), 0, 0, failed=True)
-    return True
-
-
-# --- what both forms share ---------------------------------------------------
-
-
-def _take_buffers(handler: Any, worker: Any, num_copy_ops: int) -> tuple[Any, ...]:
+def take_buffers(handler: Any, worker: Any, num_copy_ops: int) -> tuple[Any, ...]:
     """A pooled buffer set, or a new one where the pool's is too small."""
     buffers = handler._buffer_pool.pop() if handler._buffer_pool else None
     if buffers is None or buffers[0].numel() < num_copy_ops:
@@ -376,7 +231,7 @@ def _take_buffers(handler: Any, worker: Any, num_copy_ops: int) -> tuple[Any, ..
     return tuple(buffers)
 
 
-def _submit(
+def submit(
     handler: Any,
     worker: Any,
     job_id: int,
@@ -435,19 +290,19 @@ def _submit(
     )
 
 
-def _keep_plan(handler: Any, build: Callable[[], HandlerPlan]) -> HandlerPlan | None:
-    """Keep ``build()`` on the handler, or _DECLINED (with a warning) where
+def keep_plan(handler: Any, build: Callable[[], HandlerPlan]) -> HandlerPlan | None:
+    """Keep ``build()`` on the handler, or DECLINED (with a warning) where
     it fails: a plugin never takes vLLM down."""
     try:
         plan: HandlerPlan | str = build()
     except Exception as error:
-        _say_declined(handler, error)
-        plan = _DECLINED
-    setattr(handler, _STATE_ATTRIBUTE, plan)
+        say_declined(handler, error)
+        plan = DECLINED
+    setattr(handler, STATE_ATTRIBUTE, plan)
     return None if isinstance(plan, str) else plan
 
 
-def _say_declined(owner: Any, error: BaseException) -> None:
+def say_declined(owner: Any, error: BaseException) -> None:
     _state.reporter().warning(
         "ptrres: this %s keeps vLLM's own transfers: %s",
         type(owner).__name__,
@@ -456,13 +311,13 @@ def _say_declined(owner: Any, error: BaseException) -> None:
     )
 
 
-def _require(handler: Any, names: Sequence[str]) -> None:
+def require(handler: Any, names: Sequence[str]) -> None:
     missing = [name for name in names if not hasattr(handler, name)]
     if missing:
         raise AttributeError(f"the handler has no {', '.join(missing)}")
 
 
-def _plan_of(
+def plan_of(
     handler: Any, table: PointerTable, cpu_tensors: Any, blocks_per_chunk: int
 ) -> HandlerPlan:
     """A handler's plan: ``table``, its CPU tensors' layout, coalescing."""
@@ -481,7 +336,7 @@ def _plan_of(
     )
 
 
-def _first_blocks(handler: Any) -> Any:
+def first_blocks(handler: Any) -> Any:
     """A spec of block 0 of each group (int32 ids, as vLLM's specs hold them)."""
     import numpy as np
 
@@ -493,7 +348,7 @@ def _first_blocks(handler: Any) -> Any:
     )
 
 
-def _rehearse_plan(handler: Any, plan: HandlerPlan, spec: Any) -> None:
+def rehearse_plan(handler: Any, plan: HandlerPlan, spec: Any) -> None:
     """Plan ``spec`` (one chunk, chunk 0, per group) into scratch buffers."""
     num_copy_ops = max(max_copy_ops(handler, spec.group_sizes), 1)
     buffers = sys.modules[WORKER_MODULE]._new_descriptor_buffers(num_copy_ops)

@@ -374,7 +374,7 @@ def _worker_replacements() -> list[Replacement]:
     kernels and one table for its three handlers), the handlers'
     transfer_async (from DevicePointers), and the module's
     iter_pointer_groups."""
-    from . import _handler, _pointers
+    from . import _handler, _handler_pointers, _pointers
 
     worker = importlib.import_module(WORKER_MODULE)
     handler = worker.SingleDirectionOffloadingHandler
@@ -387,10 +387,13 @@ def _worker_replacements() -> list[Replacement]:
             cpu_worker,
             "__init__",
             original_init,
-            _handler.patched_worker_init(original_init),
+            _handler_pointers.patched_worker_init(original_init),
         ),
         Replacement(
-            handler, "transfer_async", original_transfer, _handler.transfer_pointers
+            handler,
+            "transfer_async",
+            original_transfer,
+            _handler_pointers.transfer_pointers,
         ),
         binding(worker, "iter_pointer_groups", _pointers.iter_pointer_groups),
     ]

@@ -35,18 +35,31 @@ import importlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._state import reporter
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from .._groups import GroupCounts
     from .._table import PointerTable
 
 # Where vLLM 0.34 defines DevicePointers and DevicePointerGroupInfo.
 BASE_MODULE = "vllm.v1.kv_offload.base"
-# The attribute that ties a DevicePointers to the table and spec ptrres
-# resolved it from: (table, device_spec).
+# The attribute that ties a DevicePointers to what ptrres resolved it from:
+# a Resolved.
 _RESOLVED_BY = "_ptrres_resolved_by"
+
+
+class Resolved(NamedTuple):
+    """What ptrres resolved a DevicePointers from: its table, the spec, and
+    the spec's block ids and groups as the table read and checked them."""
+
+    table: PointerTable
+    spec: Any
+    block_ids: npt.NDArray[Any]
+    counts: GroupCounts
 
 
 class _VllmTypes:
@@ -115,20 +128,27 @@ def refusal(device_ptrs: Any) -> BaseException | None:
     return None
 
 
-def resolved_by(device_ptrs: Any, table: PointerTable) -> Any:
-    """The spec ``table`` resolved ``device_ptrs`` from, or None where ptrres
-    did not resolve them with that table (they were built elsewhere, or
-    rebuilt: ``dataclasses.replace`` gives an object without it)."""
-    resolved = getattr(device_ptrs, _RESOLVED_BY, None)
-    if resolved is not None and resolved[0] is table:
-        return resolved[1]
+def resolved_with(device_ptrs: Any, table: PointerTable) -> Resolved | None:
+    """What ``table`` resolved ``device_ptrs`` from, or None where ptrres did
+    not resolve them with that table (they were built elsewhere, or rebuilt:
+    ``dataclasses.replace`` gives an object without it)."""
+    resolved: Resolved | None = getattr(device_ptrs, _RESOLVED_BY, None)
+    if resolved is not None and resolved.table is table:
+        return resolved
     return None
+
+
+def resolved_by(device_ptrs: Any, table: PointerTable) -> Any:
+    """The spec ``table`` resolved ``device_ptrs`` from, or None (as
+    resolved_with)."""
+    resolved = resolved_with(device_ptrs, table)
+    return None if resolved is None else resolved.spec
 
 
 def resolved_table(device_ptrs: Any) -> PointerTable | None:
     """The table ptrres resolved ``device_ptrs`` with, if it did."""
-    resolved = getattr(device_ptrs, _RESOLVED_BY, None)
-    return None if resolved is None else resolved[0]
+    resolved: Resolved | None = getattr(device_ptrs, _RESOLVED_BY, None)
+    return None if resolved is None else resolved.table
 
 
 def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> Any:
@@ -148,8 +168,9 @@ def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> Any:
 
 def _vllm_pointers(table: PointerTable, device_spec: Any) -> Any:
     """``table.resolve(device_spec)`` as vLLM's DevicePointers, which carry
-    the table and the spec."""
-    resolved = table.resolve(device_spec)
+    what they were resolved from (a Resolved)."""
+    block_ids, counts = table._read_spec(device_spec)
+    resolved = table._resolve(block_ids, counts, None)
     result = vllm_types().device_pointers(
         resolved.ptrs,
         resolved.sizes,
@@ -157,7 +178,7 @@ def _vllm_pointers(table: PointerTable, device_spec: Any) -> Any:
         resolved.group_data_ref_counts,
         resolved.block_indices,
     )
-    setattr(result, _RESOLVED_BY, (table, device_spec))
+    setattr(result, _RESOLVED_BY, Resolved(table, device_spec, block_ids, counts))
     return result
 
 
