@@ -320,6 +320,9 @@ def match_path(
     installed = installed_version()
     if installed is None:
         return "vLLM cannot be imported"
+    broken = _import_failure(path)
+    if broken is not None:
+        return broken
     candidates = sorted(
         ((release, records[path]) for release, records in recorded().items()
          if path in records),
@@ -343,6 +346,30 @@ def match_path(
     ):
         return None
     return _refusal(path, installed, candidates, found)
+
+
+def _import_failure(path: str) -> str | None:
+    """Why a vLLM module the path's code is in cannot be imported, where this
+    vLLM has it (its own import fails: a dependency missing, say); None
+    where every one imports or is not in this vLLM at all (that code is then
+    "missing", and the path may be absent)."""
+    modules = dict.fromkeys(
+        locator.partition(":")[0]
+        for variant in VARIANTS[path]
+        for locator in path_code(path, variant).locators()
+    )
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            gone = error.name is not None and (
+                module == error.name or module.startswith(f"{error.name}.")
+            )
+            if not gone:
+                return f"{module} cannot be imported ({error!r})"
+        except Exception as error:  # its own imports may fail in any way
+            return f"{module} cannot be imported ({error!r})"
+    return None
 
 
 def _refusal(
