@@ -30,11 +30,11 @@ own ``logger.exception``, and ``wait`` raises it, as for any failed I/O; the
 worker goes on with the next job.
 
 Unequal pages in one group. vLLM allows one group's layers different pages
-(DeepSeek-V3.2's indexer beside its MLA layers, say). 0.34's offsets then
+(a ``UniformTypeKVCacheSpecs`` group whose layers have different head
+sizes). 0.34's offsets then
 give ref d the bytes ``[d * bsf * page(d), (d + 1) * bsf * page(d))`` of each
-file, and these ranges overlap as soon as a later ref's pages are smaller
-than an earlier one's: with pages of 200 B and 100 B and two blocks per file,
-ref 1's slot 0 is bytes 200-300, inside ref 0's slot 1. Such a file holds
+file, and these ranges can overlap: with pages of 200 B and 100 B and two
+blocks per file, ref 1's slot 0 is bytes 200-300, inside ref 0's slot 1. Such a file holds
 one layer's KV in another's place, for this engine and for every engine that
 reads the tier. Where the ranges overlap, ptrres refuses the job
 (OverlappingPagesError naming the group, the two refs, their slots' bytes
@@ -48,8 +48,8 @@ would read ptrres's bytes at vLLM's offsets. Failing the job is what vLLM
 does with a file it cannot write or read: the connector reports a store
 failed (nothing is offloaded) and an async load in ``failed_recving``
 (recomputed), and raises for a sync load. Where a group's
-pages differ but vLLM's ranges do not overlap (each ref's pages at least as
-large as every earlier one's), vLLM's layout is sound, only sparse: those
+pages differ but no two of vLLM's ranges overlap (as where no ref's pages
+are smaller than an earlier ref's), vLLM's layout is sound, only sparse: those
 jobs keep vLLM's own ``_submit_io`` (said once per layout in the log), so
 that every engine writes and reads the same bytes.
 

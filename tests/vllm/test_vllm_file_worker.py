@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import time
@@ -57,7 +58,9 @@ from ptrres.vllm import _pointers, _state  # noqa: E402
 from ptrres.vllm._file_worker import (  # noqa: E402
     FILE_WORKER_CODE,
     OverlappingPagesError,
+    SparsePages,
     file_worker_replacements,
+    group_verdict,
 )
 from ptrres.vllm._fingerprint import MISSING, fingerprint  # noqa: E402
 from ptrres.vllm._state import Replacement  # noqa: E402
@@ -559,6 +562,34 @@ def test_sparse_pages_keep_vllms_layout(tmp_path: Path) -> None:
         "ref 1: 200 B) whose ranges in vLLM's file layout do not overlap: its file "
         "jobs keep vLLM's own _submit_io, so that every engine reads the same bytes"
     ]
+
+
+@pytest.mark.parametrize(
+    ("pages", "verdict"),
+    [
+        ([64, 64, 64], None),
+        ([200, 100], (0, 1)),  # ref 1 from byte 200 (bsf 2), in ref 0's 0-400
+        ([100, 200], "sparse"),
+        ([200, 200, 200, 200, 200, 100], (2, 5)),  # ref 5: 1000-1200 in 800-1200
+        ([10, 10, 10, 10, 1000, 100], "sparse"),  # smaller, yet in a gap
+        ([16, 0, 4], (0, 2)),  # a page of 0 B spans nothing
+    ],
+)
+def test_which_unequal_pages_overlap(pages: list[int], verdict: Any) -> None:
+    """vLLM's ranges [d * bsf * P[d], (d + 1) * bsf * P[d]), by brute force."""
+    found = group_verdict(3, pages, 2)
+    spans = [(d * 2 * p, (d + 1) * 2 * p) for d, p in enumerate(pages) if p]
+    overlapping = any(
+        a[0] < b[1] and b[0] < a[1] for a, b in itertools.combinations(spans, 2)
+    )
+    assert isinstance(found, OverlappingPagesError) == overlapping
+    if verdict is None:
+        assert found is None
+    elif verdict == "sparse":
+        assert found == SparsePages(3, tuple(pages))
+    else:
+        assert isinstance(found, OverlappingPagesError)
+        assert (found.group, found.refs, found.pages) == (3, verdict, pages)
 
 
 # --- the patch ----------------------------------------------------------------------
