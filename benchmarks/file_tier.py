@@ -315,7 +315,7 @@ def vllm_worker(quick: bool = False) -> None:
 def _breakdown(cells: list[tuple[str, int, WorkerJob]], quick: bool) -> None:
     """Where the patched call's time goes, part by part."""
     from ptrres.bench import compare
-    from ptrres.vllm import _file_worker, _pointers
+    from ptrres.vllm import _file_pages, _file_worker, _pointers
 
     print(
         "| layout | blocks | patched us | plan (ids) | FileOps | "
@@ -329,7 +329,7 @@ def _breakdown(cells: list[tuple[str, int, WorkerJob]], quick: bool) -> None:
         name_of = job.worker._file_mapper.get_file_name
         paths = list(map(name_of, job.keys))
         file_op = job.bench.fs_worker.FileOp
-        page = _file_worker.table_pages(table, WORKER_BSF).page
+        page = _file_pages.table_pages(table, WORKER_BSF).page
         t = compare(
             {
                 "total": job.ptrres,

@@ -55,12 +55,14 @@ from vllm.v1.kv_offload.pointer_utils import (  # noqa: E402
 
 import ptrres  # noqa: E402
 from ptrres.vllm import _pointers, _state  # noqa: E402
-from ptrres.vllm._file_worker import (  # noqa: E402
-    FILE_WORKER_CODE,
+from ptrres.vllm._file_pages import (  # noqa: E402
     OverlappingPagesError,
     SparsePages,
-    file_worker_replacements,
     group_verdict,
+)
+from ptrres.vllm._file_worker import (  # noqa: E402
+    FILE_WORKER_CODE,
+    file_worker_replacements,
 )
 from ptrres.vllm._fingerprint import MISSING, fingerprint  # noqa: E402
 from ptrres.vllm._state import Replacement  # noqa: E402
