@@ -1,4 +1,4 @@
-"""vLLM's NIXL connector workers (0.30 to 0.33) moving real bytes: a pull
+"""vLLM's NIXL connector workers (0.30 to 0.34) moving real bytes: a pull
 worker on the decode engine and a push worker on the prefill engine, each
 never initialised (``object.__new__``) and holding only what vLLM's own
 ``_read_blocks`` / ``_xfer_blocks`` read (and what they call:
@@ -13,9 +13,12 @@ mapping): region 0 holds group 0's layer, region 1 group 1's, each region
 NUM_BLOCKS blocks of BLOCK_LEN bytes in a numpy buffer of its own, registered
 with NIXL as vLLM registers each layer's cache. The prepared descriptor
 lists are built as the release builds them: one descriptor per block per
-region, region after region, as strided Nx5 rows in 0.33
+region, region after region, as strided Nx5 rows in 0.33 and 0.34
 (``_block_strided_descs``), as Nx3 rows before (``_stack_descs``); both
-number the descriptors alike.
+number the descriptors alike. On 0.34, which pairs the two engines' regions
+by layer name, the pull and push workers' pairs (``_dst_pairs``) are made by
+vLLM's own ``_pair_regions`` from the peer's ``NixlAgentMetadata``: region r
+holds layer LAYERS[r] on both engines.
 
 A request is read or written as vLLM's ``_read_blocks_for_req`` /
 ``_xfer_blocks_for_req`` do it for one remote rank, and waited for with
@@ -32,13 +35,14 @@ os.environ["UCX_NET_DEVICES"] = "lo"
 
 import importlib
 import itertools
+import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -54,6 +58,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 # releases (mypy sees one).
 NIXL_PACKAGE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 base_worker = importlib.import_module(f"{NIXL_PACKAGE}.base_worker")
+# vLLM's worker class, for a class to derive from (untyped here).
+WorkerBase: Any = base_worker.NixlBaseConnectorWorker
 metadata = importlib.import_module(f"{NIXL_PACKAGE}.metadata")
 pull_worker = importlib.import_module(f"{NIXL_PACKAGE}.pull_worker")
 push_worker = importlib.import_module(f"{NIXL_PACKAGE}.push_worker")
@@ -64,14 +70,19 @@ connector_utils = importlib.import_module(
 
 # The tested release series of the installed vLLM ("0.33" for 0.33.0).
 RELEASE = ".".join(vllm.__version__.split(".")[:2])
+# Whether the release pairs regions by layer name (0.34: _RegionPairs, and
+# _compute_desc_ids(..., pairs=(regions, keys), ...)).
+PAIRS = hasattr(base_worker, "_RegionPairs")
 
 DECODE, PREFILL = "decode-engine", "prefill-engine"
 BLOCK_SIZE = 16  # tokens per block, on both engines (block_size_ratio 1)
 BLOCK_LEN = 32  # bytes per block, per region
 NUM_BLOCKS = 4  # blocks per region, on both engines
-# Region r holds a layer of group REGION_GROUPS[r] (a hybrid model).
+# Region r holds a layer of group REGION_GROUPS[r] (a hybrid model), named
+# LAYERS[r].
 REGION_GROUPS = (0, 1)
 GROUP_SPECS = (FullAttentionSpec, SlidingWindowSpec)
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 # Seconds a transfer may take before a test fails instead of hanging.
 TIMEOUT = 30.0
 
@@ -166,9 +177,40 @@ def engines() -> Iterator[tuple[Engine, Engine]]:
 
 class _KVCacheConfig:
     """What _read_blocks reads of vLLM's KVCacheConfig: one transfer group
-    per group of the model."""
+    per group of the model; and what 0.34's _pair_regions reads: each
+    layer's group."""
 
     transfer_groups = GROUP_SPECS
+    transfer_group_index_by_layer: ClassVar[dict[str, int]] = dict(
+        zip(LAYERS, REGION_GROUPS)
+    )
+
+
+def agent_metadata(engine: Engine) -> Any:
+    """What ``engine``'s handshake says of its KV caches (0.34's
+    NixlAgentMetadata): one region a layer, host memory, every field a
+    region has."""
+    regions = len(engine.regions)
+    return metadata.NixlAgentMetadata(
+        engine_id=engine.engine_id,
+        agent_metadata=b"",
+        kv_caches_base_addr=[region.ctypes.data for region in engine.regions],
+        device_id=0,
+        num_blocks=NUM_BLOCKS,
+        block_lens=[BLOCK_LEN] * regions,
+        block_strides=[BLOCK_LEN] * regions,
+        kv_cache_layout="LBHNC",
+        block_size=BLOCK_SIZE,
+        ssm_sizes=(0, 0),
+        attn_backend_name="FLASH_ATTN",
+        physical_blocks_per_logical_kv_block=1,
+        region_num_blocks=[NUM_BLOCKS] * regions,
+        region_group_ids=list(REGION_GROUPS),
+        region_names=list(LAYERS),
+        region_mem_types=["DRAM"] * regions,
+        region_members=[[layer] for layer in LAYERS],
+        layer_group_ids=dict(zip(LAYERS, REGION_GROUPS)),
+    )
 
 
 def _bare(worker_class: type) -> Any:
@@ -236,8 +278,19 @@ def _transfer_worker(worker_class: type, local: Engine, remote: Engine) -> Any:
     }
     if RELEASE != "0.30":
         attributes["_transfer_layer_group_ids"] = []
+    if PAIRS:  # what _pair_regions reads, then its pairs with the remote
+        attributes |= {
+            "pp_size": 1,
+            "_packed_member_layouts": {},
+            "_region_is_mla": [False] * len(REGION_GROUPS),
+        }
     for name, value in attributes.items():
         setattr(worker, name, value)
+    if PAIRS:
+        worker._set_region_layers([[layer] for layer in LAYERS])
+        worker._dst_pairs = {
+            remote.engine_id: worker._pair_regions(agent_metadata(remote))
+        }
     return worker
 
 
@@ -365,3 +418,89 @@ def wait_done(
             return
         transfer.remote.agent.get_new_notifs()
         assert time.monotonic() < deadline, f"{request_id} did not complete"
+
+
+# --- what the tests of _compute_desc_ids share ----------------------------------
+
+
+class Records(logging.Handler):
+    """Every record of the loggers it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def at(self, level: int) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+@contextmanager
+def captured(*names: str) -> Iterator[Records]:
+    """What the named loggers log meanwhile (vLLM's "vllm" logger does not
+    propagate to the root, where caplog listens)."""
+    handler = Records()
+    loggers = [logging.getLogger(name) for name in names]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+class StrictWorker(WorkerBase):  # type: ignore[misc]
+    """A worker never initialised, holding only the attributes it is given,
+    that lets nothing else be read: a read of any other name (dunders and
+    ``__dict__`` apart) is recorded in ``misses`` and raises AttributeError.
+    Every read is recorded in ``reads``."""
+
+    allowed: frozenset[str] = frozenset()
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            return super().__getattribute__(name)
+        own = super().__getattribute__("__dict__")
+        if name not in type(self).allowed:
+            own["__misses__"].append(name)
+            raise AttributeError(name)
+        own["__reads__"].add(name)
+        return own[name]
+
+    def __del__(self) -> None:
+        """vLLM's shuts down a NIXL connector this worker never started."""
+
+
+# What the patched _compute_desc_ids reads of a worker besides vLLM's: its
+# engine, for its log line.
+PATCH_ATTRIBUTES = ("engine_id",)
+
+
+def strict_worker(attributes: dict[str, Any]) -> Any:
+    """A StrictWorker holding ``attributes`` (and an engine_id), which may
+    read them and PATCH_ATTRIBUTES."""
+    cls = type(
+        "Worker",
+        (StrictWorker,),
+        {"allowed": frozenset(attributes) | frozenset(PATCH_ATTRIBUTES)},
+    )
+    worker: Any = object.__new__(cls)
+    worker.__dict__.update(attributes, engine_id="engine-under-test")
+    worker.__dict__.update(__misses__=[], __reads__=set())
+    return worker
+
+
+def misses(worker: Any) -> list[str]:
+    found: list[str] = worker.__dict__["__misses__"]
+    return found
+
+
+def outcome(function: Callable[..., Any], *arguments: Any, **kwargs: Any) -> Any:
+    """What a call returns, or the exception it raises."""
+    try:
+        return function(*arguments, **kwargs)
+    except Exception as error:  # compared by type
+        return error

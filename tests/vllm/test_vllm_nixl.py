@@ -1,10 +1,11 @@
-"""ptrres.vllm on vLLM's NIXL connector (0.30 to 0.33): every block id that
+"""ptrres.vllm on vLLM's NIXL connector (0.30 to 0.34): every block id that
 ``NixlBaseConnectorWorker._compute_desc_ids`` turns into a descriptor index,
 checked on both sides of a prefill/decode transfer.
 
 Three levels, each against the installed release's own code:
 
-- ``_compute_desc_ids``, under hypothesis, on a worker holding only the
+- ``_compute_desc_ids`` of 0.30 to 0.33 (0.34's, which takes region pairs,
+  is test_vllm_nixl_pairs.py's), under hypothesis, on a worker holding only the
   attributes the release's method reads (DESC_IDS_ATTRIBUTES, and nothing
   else is read: StrictWorker): on ids in range the patched method returns
   vLLM's array, element for element and dtype (compiled, and checked then
@@ -13,21 +14,24 @@ Three levels, each against the installed release's own code:
   group's ids index comes from ``spans()``, this file's reading of vLLM's
   branches, itself checked against vLLM's output on every example;
 - ``ptrres.vllm.patch()``: the connector's four methods replaced and
-  restored, or left alone, all or nothing with the other paths;
+  restored (0.34: ``_nixl_pairs.nixl_replacements_034``'s), or left alone,
+  all or nothing with the other paths, where the code they depend on is not
+  a tested release's (its fingerprint);
 - a request through vLLM's own ``_read_blocks`` (pull, READ) and
   ``_xfer_blocks`` (push, WRITE) with real NIXL agents on host memory
   (nixl_worker): unpatched, a group's id past its region moves another
-  layer's block and completes, and an id of 2**31 raises outside vLLM's
-  ``try``; patched, the request fails the way vLLM fails a transfer it
-  cannot set up, with no byte moved, and the next request moves the right
-  bytes.
+  layer's block and completes; an id of 2**31 raises outside vLLM's
+  ``try`` (0.30 to 0.33: numpy's int32) or fails the request (0.34's int64,
+  which NIXL refuses), and one of 2**32 + 1 moves block 1 on 0.34 (NIXL
+  casts its int64 indices to C ints); patched, the request fails the way
+  vLLM fails a transfer it cannot set up, with no byte moved, and the next
+  request moves the right bytes.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -40,17 +44,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nixl_worker import (
     NUM_BLOCKS,
+    PAIRS,
     PREFILL,
     RELEASE,
     Engine,
+    Records,
+    StrictWorker,
     Transfer,
     base_worker,
+    captured,
     engines,
+    misses,
+    outcome,
     pull,
     pull_worker,
     push,
     push_worker,
     read,
+    strict_worker,
     wait_done,
     write,
 )
@@ -66,12 +77,10 @@ from vllm.v1.kv_cache_interface import (
 from vllm_harness import cuda_mem_ops, worker
 
 import ptrres.vllm as plugin
-from ptrres.vllm import _nixl, _patching, _state, _warmup
+from ptrres.vllm import _nixl, _patching, _release, _state, _warmup
 from ptrres.vllm._nixl import REFUSED_INDEX
 
 Base = base_worker.NixlBaseConnectorWorker
-# The same, for a class to derive from (vLLM's class is untyped here).
-WorkerBase: Any = Base
 Pull = pull_worker.NixlPullConnectorWorker
 Push = push_worker.NixlPushConnectorWorker
 Handler = worker.SingleDirectionOffloadingHandler
@@ -108,8 +117,6 @@ DESC_IDS_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "0.32": _DESC_IDS_ATTRIBUTES_031,
     "0.33": _DESC_IDS_ATTRIBUTES_031,
 }
-# What the patched method reads besides: the worker's engine, for its log line.
-PATCH_ATTRIBUTES = ("engine_id",)
 # What the patched method may try and find missing: on 0.30, the routing
 # 0.31 added (read with a default; a 0.30 worker has none).
 PATCH_PROBES: dict[str, set[str]] = {
@@ -118,7 +125,16 @@ PATCH_PROBES: dict[str, set[str]] = {
     "0.32": set(),
     "0.33": set(),
 }
-ROUTING = "_transfer_layer_group_ids" in DESC_IDS_ATTRIBUTES[RELEASE]
+ROUTING = "_transfer_layer_group_ids" in DESC_IDS_ATTRIBUTES.get(RELEASE, ())
+# The tests of 0.30-0.33's _compute_desc_ids (region groups, routing, Mamba's
+# scratch regions); 0.34's pairs regions: test_vllm_nixl_pairs.py.
+before_pairs = pytest.mark.skipif(
+    PAIRS, reason="0.34's _compute_desc_ids takes region pairs: test_vllm_nixl_pairs"
+)
+
+# The form of ptrres.vllm's NIXL patch this release gets (its PathCode in
+# ptrres.vllm._release, or _nixl_pairs.NIXL_034_CODE).
+VARIANT = "0.34" if PAIRS else "0.30"
 
 
 @pytest.fixture(autouse=True)
@@ -133,77 +149,7 @@ def _unpatched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     plugin.unpatch()
 
 
-class Records(logging.Handler):
-    """Every record of the loggers it is added to."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def at(self, level: int) -> list[str]:
-        return [r.getMessage() for r in self.records if r.levelno == level]
-
-
-@contextmanager
-def captured(*names: str) -> Iterator[Records]:
-    """What the named loggers log meanwhile (vLLM's "vllm" logger does not
-    propagate to the root, where caplog listens)."""
-    handler = Records()
-    loggers = [logging.getLogger(name) for name in names]
-    for logger in loggers:
-        logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        for logger in loggers:
-            logger.removeHandler(handler)
-
-
 # --- _compute_desc_ids: the worker, the oracle, the strategies ---------------------
-
-
-class StrictWorker(WorkerBase):  # type: ignore[misc]
-    """A worker never initialised, holding only the attributes it is given,
-    that lets nothing else be read: a read of any other name (dunders and
-    ``__dict__`` apart) is recorded in ``misses`` and raises AttributeError.
-    Every read is recorded in ``reads``."""
-
-    allowed: frozenset[str] = frozenset()
-
-    def __getattribute__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            return super().__getattribute__(name)
-        own = super().__getattribute__("__dict__")
-        if name not in type(self).allowed:
-            own["__misses__"].append(name)
-            raise AttributeError(name)
-        own["__reads__"].add(name)
-        return own[name]
-
-    def __del__(self) -> None:
-        """vLLM's shuts down a NIXL connector this worker never started."""
-
-
-def strict_worker(attributes: dict[str, Any]) -> Any:
-    """A StrictWorker holding ``attributes`` (and an engine_id), which may
-    read them and PATCH_ATTRIBUTES."""
-    cls = type(
-        "Worker",
-        (StrictWorker,),
-        {"allowed": frozenset(attributes) | frozenset(PATCH_ATTRIBUTES)},
-    )
-    worker: Any = object.__new__(cls)
-    worker.__dict__.update(attributes, engine_id="engine-under-test")
-    worker.__dict__.update(__misses__=[], __reads__=set())
-    return worker
-
-
-def misses(worker: Any) -> list[str]:
-    found: list[str] = worker.__dict__["__misses__"]
-    return found
 
 
 class ConvDecomp(NamedTuple):
@@ -652,14 +598,6 @@ def patched_compute_desc_ids(compiled: bool) -> Callable[..., Any]:
 PATCHED = {compiled: patched_compute_desc_ids(compiled) for compiled in (True, False)}
 
 
-def outcome(function: Callable[..., Any], *arguments: Any) -> Any:
-    """What a call returns, or the exception it raises."""
-    try:
-        return function(*arguments)
-    except Exception as error:  # compared by type
-        return error
-
-
 def check_call(worker: Any, model: Model, call: Call, compiled: bool) -> None:
     """One call of the patched method against vLLM's own on the same worker."""
     found = spans(model, call)
@@ -738,6 +676,7 @@ def run_case(case: Case, compiled: bool) -> None:
             check_call(worker, model, call, compiled)
 
 
+@before_pairs
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "checked"])
 @pytest.mark.parametrize("kind", KINDS)
 @given(data=st.data())
@@ -809,6 +748,7 @@ def histories(draw: st.DrawFn, kind: str) -> list[tuple[Model, Call]]:
     return history
 
 
+@before_pairs
 @pytest.mark.parametrize("kind", KINDS)
 @given(data=st.data())
 def test_a_worker_keeps_no_stale_layout(kind: str, data: st.DataObject) -> None:
@@ -849,6 +789,7 @@ HISTORIES = [
 ]
 
 
+@before_pairs
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "checked"])
 @pytest.mark.parametrize("history", HISTORIES)
 def test_a_worker_registered_again_gets_its_new_layout(
@@ -860,6 +801,7 @@ def test_a_worker_registered_again_gets_its_new_layout(
         check_call(worker, model, call, compiled)
 
 
+@before_pairs
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "checked"])
 @pytest.mark.parametrize("case", EXAMPLES)
 def test_each_branch_at_its_boundaries(case: Case, compiled: bool) -> None:
@@ -868,6 +810,7 @@ def test_each_branch_at_its_boundaries(case: Case, compiled: bool) -> None:
     run_case(case, compiled)
 
 
+@before_pairs
 def test_the_worker_attributes_are_the_releases_own() -> None:
     """Over one call of each branch, vLLM's method reads every attribute of
     DESC_IDS_ATTRIBUTES (and, StrictWorker says, no other)."""
@@ -884,6 +827,7 @@ def test_the_worker_attributes_are_the_releases_own() -> None:
     assert (RELEASE != "0.30") == ROUTING
 
 
+@before_pairs
 def test_the_strict_worker_lets_nothing_else_be_read() -> None:
     """A name not given is a miss, recorded, and vLLM's method fails on it."""
     worker = strict_worker(HYBRID.attributes())
@@ -898,6 +842,7 @@ def test_the_strict_worker_lets_nothing_else_be_read() -> None:
     assert misses(worker) == ["region_group_ids"]
 
 
+@before_pairs
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "checked"])
 def test_zero_regions_are_vllms(compiled: bool) -> None:
     """A worker with no regions (none registered): vLLM adds offset 0 to
@@ -912,6 +857,7 @@ def test_zero_regions_are_vllms(compiled: bool) -> None:
     np.testing.assert_array_equal(ours, vllms)
 
 
+@before_pairs
 def test_a_worker_patched_then_unpatched_runs_vllms_own() -> None:
     """The patched method, kept past unpatch(), is vLLM's again."""
     plugin.patch()
@@ -929,15 +875,23 @@ def test_a_worker_patched_then_unpatched_runs_vllms_own() -> None:
 # --- patch() and unpatch() ----------------------------------------------------------
 
 
+@contextmanager
+def nixl_patched() -> Iterator[list[str]]:
+    """vLLM patched (ptrres.vllm.patch()) meanwhile, then unpatched."""
+    try:
+        yield plugin.patch()
+    finally:
+        plugin.unpatch()
+
+
 def test_patch_replaces_the_connectors_methods_and_unpatch_restores_them() -> None:
-    patched = plugin.patch()
-    assert patched[-len(NIXL_PATCHES) :] == NIXL_PATCHES
-    for (owner, name), original in VLLM_METHODS.items():
-        ours = vars(owner)[name]
-        assert ours is not original
-        assert ours.__wrapped__ is original
-        assert inspect.signature(ours) == inspect.signature(original)
-    plugin.unpatch()
+    with nixl_patched() as patched:
+        assert patched[-len(NIXL_PATCHES) :] == NIXL_PATCHES
+        for (owner, name), original in VLLM_METHODS.items():
+            ours = vars(owner)[name]
+            assert ours is not original
+            assert ours.__wrapped__ is original
+            assert inspect.signature(ours) == inspect.signature(original)
     for (owner, name), original in VLLM_METHODS.items():
         assert vars(owner)[name] is original
 
@@ -987,7 +941,8 @@ def test_a_changed_signature_leaves_the_connector_alone(
         raise AssertionError("never called")
 
     monkeypatch.setattr(owner, name, changed)
-    assert_left_alone(f"{owner.__name__}.{name} has the signature")
+    module = owner.__module__.rpartition(".")[2]
+    assert_left_alone(f"{module}.{owner.__name__}.{name} has other code")
     assert vars(owner)[name] is changed
     for (other, other_name), vllms in VLLM_METHODS.items():
         if (other, other_name) != (owner, name):
@@ -1018,12 +973,20 @@ def test_a_worker_with_its_own_compute_desc_ids_leaves_the_connector_alone(
 ) -> None:
     """The pull worker's own would bypass the checked one."""
     monkeypatch.setattr(Pull, "_compute_desc_ids", VLLM_COMPUTE_DESC_IDS, raising=False)
-    assert_left_alone("NixlPullConnectorWorker has a _compute_desc_ids of its own")
+    assert_left_alone("pull_worker.NixlPullConnectorWorker._compute_desc_ids is new")
 
 
-@pytest.mark.parametrize(
-    "name", ["_is_attention_spec", "_is_ssm_spec", "CircularBufferSpec"]
-)
+# The names of base_worker's module the release's patch reads (0.30 to 0.33:
+# the spec tests and CircularBufferSpec; 0.34: the spec tests, _RegionPairs).
+BASE_NAMES = [
+    locator.partition(":")[2]
+    for locator in _release.path_code(_state.NIXL, VARIANT).reads
+    if locator.startswith(f"{base_worker.__name__}:")
+    and "." not in locator.partition(":")[2]
+]
+
+
+@pytest.mark.parametrize("name", BASE_NAMES)
 def test_a_missing_name_of_base_worker_leaves_the_connector_alone(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1035,14 +998,16 @@ def test_a_connector_module_that_does_not_import_leaves_the_connector_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, push_worker.__name__, None)
-    assert_left_alone(f"{re.escape(push_worker.__name__)} cannot be imported")
+    assert_left_alone("push_worker.NixlPushConnectorWorker._xfer_blocks is missing")
 
 
 def test_the_workers_init_is_vllms_then_the_kernels_made_ready(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """vLLM's __init__ runs first, with its arguments; then the kernels are
-    made ready; a failure there is logged, never raised."""
+    made ready; a failure there is logged, never raised. (A stand-in
+    __init__ is no tested release's code, so the gate would leave the path
+    alone: the path's replacements, as patch() makes them, are set here.)"""
     calls: list[tuple[Any, ...]] = []
 
     def __init__(
@@ -1051,20 +1016,24 @@ def test_the_workers_init_is_vllms_then_the_kernels_made_ready(
         calls.append(("vllm", vllm_config, engine_id, kv_cache_config))
 
     monkeypatch.setattr(Base, "__init__", __init__)
+
+    def construct() -> None:
+        with pytest.MonkeyPatch.context() as patching:
+            for r in _patching.plan_path(_state.NIXL, VARIANT):
+                patching.setattr(r.owner, r.name, r.replacement)
+            assert vars(Base)["__init__"].__wrapped__ is __init__
+            Base.__init__(object.__new__(StrictWorker), "config", "engine", "caches")
+
     monkeypatch.setattr(_warmup, "warm_up_kernels", lambda: calls.append(("ready",)))
-    plugin.patch()
-    assert vars(Base)["__init__"].__wrapped__ is __init__
-    Base.__init__(object.__new__(StrictWorker), "config", "engine", "caches")
+    construct()
     assert calls == [("vllm", "config", "engine", "caches"), ("ready",)]
 
     def broken() -> None:
         raise RuntimeError("no compiler")
 
-    plugin.unpatch()
     monkeypatch.setattr(_warmup, "warm_up_kernels", broken)
-    plugin.patch()
     with captured("ptrres.vllm") as log:
-        Base.__init__(object.__new__(StrictWorker), "config", "engine", "caches")
+        construct()
     assert log.at(logging.WARNING) == [
         "ptrres: could not make the kernels ready for vLLM's NIXL connector; "
         "they compile on its first transfer"
@@ -1111,16 +1080,44 @@ def test_unpatched_a_pull_reads_another_layers_block(
     assert not transfer.worker._recv_failures
 
 
-def test_unpatched_an_id_of_2_31_escapes_vllms_try(
+def test_unpatched_an_id_of_2_31_escapes_vllms_try_before_0_34(
     nixl_engines: tuple[Engine, Engine],
 ) -> None:
-    """vLLM as it ships: numpy's OverflowError leaves _read_blocks (and would
-    fail the engine's step), the request not failed."""
+    """vLLM as it ships: 0.30 to 0.33 make int32 ids, and numpy's
+    OverflowError leaves _read_blocks (and would fail the engine's step), the
+    request not failed. 0.34's int64 ids reach NIXL, which casts them to C
+    ints and refuses -2**31: the request fails in vLLM's try."""
     decode, prefill = nixl_engines
     transfer = pull(decode, prefill)
-    with pytest.raises(OverflowError):
-        read(transfer, "req-huge", DECODE_IDS, [[0, 2**31], [2]])
+    if not PAIRS:
+        with pytest.raises(OverflowError):
+            read(transfer, "req-huge", DECODE_IDS, [[0, 2**31], [2]])
+        assert not transfer.worker._recv_failures
+        return
+    with captured("vllm") as log:
+        assert not read(transfer, "req-huge", DECODE_IDS, [[0, 2**31], [2]])
+    assert transfer.worker._recv_failures == {"req-huge"}
+    assert "NIXL_ERR_INVALID_PARAM" in str(log.records[-1].exc_info)
+
+
+@pytest.mark.skipif(not PAIRS, reason="0.30 to 0.33 make int32 ids (OverflowError)")
+def test_unpatched_0_34_an_id_past_int32_moves_another_block(
+    nixl_engines: tuple[Engine, Engine],
+) -> None:
+    """vLLM 0.34 as it ships: its int64 ids go to NIXL, whose Python API casts
+    them to C ints: remote id 2**32 + 1 reads block 1 (pull), and decode's
+    id 2**32 + 1 is written as block 1 (push); both complete."""
+    decode, prefill = nixl_engines
+    transfer = pull(decode, prefill)
+    assert read(transfer, "req-wrap", DECODE_IDS, [[0, 2**32 + 1], [2]])
+    wait_done(transfer, transfer.worker._recving_transfers, "req-wrap")
+    assert decode.block(0, 2) == prefill.block(0, 1)
     assert not transfer.worker._recv_failures
+    transfer = push(prefill, decode)
+    handle = write(transfer, "req-wrap", PREFILL_IDS, [[0, 2**32 + 1], [3]])
+    assert handle is not None
+    wait_done(transfer, {"req-wrap": [handle]}, "req-wrap")
+    assert decode.block(0, 1) == prefill.block(0, 3)
 
 
 class Failure(NamedTuple):
@@ -1139,8 +1136,10 @@ class Failure(NamedTuple):
 FAILURES = [
     Failure("remote", 4),
     Failure("remote", 2**31),
+    Failure("remote", 2**32 + 1),  # 0.34 unpatched: block 1
     Failure("local", 4),
     Failure("local", -1),
+    Failure("local", 2**32 + 2),
 ]
 
 
@@ -1172,8 +1171,10 @@ def assert_failed_cleanly(
 def assert_named_only_in_a_transfer(transfer: Transfer) -> None:
     """Called outside _read_blocks and _xfer_blocks, the worker's
     _compute_desc_ids names no request, side or engine."""
+    # 0.34: pair k reads region k at group k's ids.
+    pairs = {"pairs": ([0, 1], [0, 1])} if PAIRS else {}
     with captured("ptrres.vllm") as log:
-        transfer.worker._compute_desc_ids([[4], []], NUM_BLOCKS, None, 1)
+        transfer.worker._compute_desc_ids([[4], []], NUM_BLOCKS, None, 1, **pairs)
     bad = Bad(0, 0, 4, Span(0, 0, 0, NUM_BLOCKS))
     assert log.at(logging.WARNING) == [bad_id_line(bad)]
 
