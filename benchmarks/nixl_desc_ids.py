@@ -1,33 +1,44 @@
-"""vLLM's NIXL index path, patched against vLLM's own (issue 31): the two
-``_compute_desc_ids`` calls of one ``_read_blocks``, three ways, in one
-process, interleaved; and what ``ptrres.vllm.patch()`` now costs.
+"""vLLM's NIXL index path, patched against vLLM's own (issues 31 and 40):
+the two ``_compute_desc_ids`` calls of one ``_read_blocks``, in one process,
+interleaved; and what ``ptrres.vllm.patch()`` now costs.
 
 ``NixlPullConnectorWorker._read_blocks`` turns a request's block ids into
 NIXL descriptor ids twice, before it posts the READ: for the remote side
 (``block_size_ratio=None``, the remote engine's ``dst_num_blocks`` and
-per-region block counts) and then for its own (``block_size_ratio=1``, its
-own counts). Both calls are timed together, with the ids as vLLM passes
-them: one Python list of ints per KV-cache group. Three contenders:
+per-region block counts) and then for its own (its own counts, and its
+ratio to the peer's block size: 1 here). Both calls are timed together, with
+the ids as vLLM passes them: one Python list of ints per KV-cache group.
+The contenders, on the installed release:
 
 - ``vllm``: vLLM's own ``NixlBaseConnectorWorker._compute_desc_ids``;
-- ``compiled``: the plugin's (``ptrres.vllm._nixl.patched_functions``,
-  ``compiled=True``): every id checked and the indices built by one kernel
-  (``desc_ids_kernel``);
-- ``wrap``: the same check (``compiled=False``), then vLLM's own method.
+- ``compiled``: the plugin's, every id checked and the indices built by one
+  kernel (``desc_ids_kernel``): ``ptrres.vllm._nixl.patched_functions``
+  (``compiled=True``) on 0.30 to 0.33, ``ptrres.vllm._nixl_pairs`` on 0.34;
+- ``wrap`` (0.30 to 0.33): the same check (``compiled=False``), then vLLM's
+  own method, as the plugin does there for Mamba models. (0.34's patch
+  builds every model's ids with the kernel, Mamba's included.)
 
 Each is called on a bare worker (``object.__new__`` holding only what
 ``_compute_desc_ids`` reads), as vLLM calls it: by keyword, the worker
-first. The three outputs are checked equal (values and dtype) first.
+first. The outputs are checked equal (values and dtype) first.
 
 Layouts: 32 regions (Llama-3.1-8B, one region a layer) and 80 (Llama-3.1-70B
 at TP4), remote pools of 24,576 and 32,768 blocks, local ones of 32,768 and
-40,960. ``one group``: every region of group 0, vLLM's fast path
-(``uses_region_group_mapping`` False). ``hybrid``: 4 groups, the regions
-split among them in 4 runs (``region_group_ids``), each group with its own
-ids: vLLM's region-group mapping branch; each group has as many ids as a
-one-group request, so both write the same number of indices. Ids are
-``scattered`` (distinct, drawn at random from the pool, in the order drawn)
-or ``consecutive`` (one run at a random start), on each side.
+40,960. ``one group``: every region of group 0 (0.30-0.33: vLLM's fast path,
+``uses_region_group_mapping`` False; 0.34: pairs ``(range(regions), [0] *
+regions)``). ``hybrid``: 4 groups, the regions split among them in 4 runs,
+each group with its own ids (0.30-0.33: region-group mapping; 0.34: each
+region paired at its group); each group has as many ids as a one-group
+request, so both write the same number of indices. ``mamba`` (0.34): a
+hybrid Mamba model of as many regions, one in 8 an attention layer (group
+0, every request's ids) and the others Mamba2 layers (group 1, 4 SSM
+descriptors a layer, one state block a request): vLLM's Mamba branch, int32
+ids. Ids are ``scattered`` (distinct, drawn at random from the pool, in the
+order drawn) or ``consecutive`` (one run at a random start), on each side.
+Then the shipped traces (``ptrres.bench.TRACES``, vLLM 0.33's own
+allocators): a few transfers of each size bucket, the GPU ids as the local
+side's, the CPU positions as the remote's, one group, each cell the
+transfers of one bucket in turn.
 
 Timing: ``ptrres.bench.compare`` per cell (the contenders take turns in
 rounds, each round a batch of calls), the median over rounds and the best;
@@ -38,7 +49,7 @@ faults), then on fresh pages: in a child whose glibc malloc maps every block
 of 64 KiB or more anew and keeps no free memory at its heap's top
 (FRESH_MALLOC), so that every large array is faulted in page by page as it
 is written, which is what the filer saw when each request's index arrays
-landed on fresh pages. Between the two tables, where the patched paths'
+landed on fresh pages. Between the two tables, where the patched path's
 time goes (layout lookup, list-to-array conversion against vLLM's own,
 kernel, range check).
 
@@ -59,6 +70,7 @@ Run: python benchmarks/nixl_desc_ids.py [--quick] [--rounds N]
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -76,8 +88,6 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import numpy as np
 
-from ptrres.vllm._release import NIXL_METHODS
-
 ROOT = Path(__file__).resolve().parents[1]
 # (name, regions, remote pool, local pool): one region a layer.
 MODELS = (
@@ -86,7 +96,12 @@ MODELS = (
 )
 BLOCKS = (16, 256, 2048)
 HYBRID_GROUPS = 4
-CONTENDERS = ("vllm", "compiled", "wrap")
+# A Mamba model's attention layers: one region in MAMBA_ATTENTION; the
+# others Mamba2 (3 conv sub-projections and the SSM state: 4 descriptors).
+MAMBA_ATTENTION = 8
+MAMBA_CONV_OFFSETS = [(0, 1024), (1024, 256), (1280, 256)]
+# Transfers of each size bucket per trace.
+TRACE_TRANSFERS = 4
 # The commit before the plugin patched vLLM's NIXL connector (0fc90d3).
 BEFORE_NIXL = "0fc90d3^"
 # The fresh-pages table runs in a child whose glibc malloc maps every block
@@ -103,41 +118,76 @@ FRESH_MALLOC = {
 
 @dataclass(frozen=True)
 class Case:
-    """One cell: a layout, an id pattern and a size; both calls' arguments."""
+    """One cell: a layout, an id pattern and a size; both calls' arguments,
+    one pair of calls per transfer (traces: several)."""
 
     model: str
     regions: int
-    groups: str  # "one group" or "hybrid"
-    ids: str  # "scattered" or "consecutive"
-    blocks: int  # ids per group, per side
+    groups: str  # "one group", "hybrid", "mamba", or a trace's name
+    ids: str  # "scattered", "consecutive", or a trace's size bucket
+    blocks: int  # ids per group, per side (traces: per transfer, the most)
     worker: Any
-    remote: dict[str, Any]  # the remote call's keyword arguments
-    local: dict[str, Any]
+    calls: tuple[tuple[dict[str, Any], dict[str, Any]], ...]  # (remote, local)
 
 
-def load_vllm() -> tuple[Any, Any, Any]:
+@dataclass(frozen=True)
+class Vllm:
+    """The installed vLLM's NIXL worker: its module, class and spec types."""
+
+    base_worker: Any
+    cls: Any
+    specs: tuple[Any, ...]
+    mamba_spec: Any
+    # Whether it pairs regions by layer name (0.34).
+    pairs: bool
+
+    @property
+    def contenders(self) -> tuple[str, ...]:
+        return ("vllm", "compiled") if self.pairs else ("vllm", "compiled", "wrap")
+
+
+def load_vllm() -> Vllm:
     """vLLM's base_worker module, its worker class, and the spec classes."""
     import logging
 
     logging.getLogger("vllm").setLevel(logging.ERROR)  # "NIXL is not available"
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     specs = (FullAttentionSpec, SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec)
-    return base_worker, base_worker.NixlBaseConnectorWorker, specs
+    return Vllm(
+        base_worker,
+        base_worker.NixlBaseConnectorWorker,
+        specs,
+        MambaSpec,
+        hasattr(base_worker, "_RegionPairs"),
+    )
 
 
-def bare_worker(cls: Any, regions: int, owners: list[int], specs: Any) -> Any:
+class ConvDecomp:
+    """What _compute_desc_ids reads of vLLM's MambaConvSplitInfo."""
+
+    local_conv_offsets = MAMBA_CONV_OFFSETS
+
+
+def bare_worker(
+    vllm: Vllm, regions: int, owners: list[int], specs: Any, mamba: bool = False
+) -> Any:
     """A worker never initialised, holding only what _compute_desc_ids reads
-    (vLLM 0.30 to 0.33)."""
+    (vLLM 0.30 to 0.34); ``mamba``: a Mamba model's, whose SSM state is in
+    every region but the attention ones."""
     # vLLM's __del__ shuts NIXL down, which a bare worker never started.
-    bare = type("BareWorker", (cls,), {"__del__": lambda self: None})
+    bare = type("BareWorker", (vllm.cls,), {"__del__": lambda self: None})
     worker: Any = object.__new__(bare)
     groups = max(owners) + 1
     for name, value in {
-        "_has_mamba": False,
-        "_conv_decomp": None,
-        "_ssm_region_indices": [],
+        "_has_mamba": mamba,
+        "_conv_decomp": ConvDecomp() if mamba else None,
+        "_ssm_region_indices": [r for r, g in enumerate(owners) if g] if mamba else [],
         "_scratch_region_indices": [],
         "_group_spec_types": tuple(specs[:groups]),
         "_ple_group_index": None,
@@ -163,47 +213,148 @@ def draw_ids(
     return [drawn[g * blocks : (g + 1) * blocks].tolist() for g in range(groups)]
 
 
-def cases(cls: Any, specs: Any, blocks_list: tuple[int, ...]) -> list[Case]:
-    """Every cell: both models, one group and hybrid, both id patterns."""
+def call_pair(
+    vllm: Vllm,
+    regions: int,
+    owners: list[int],
+    remote_ids: list[list[int]],
+    local_ids: list[list[int]],
+    remote_pool: int,
+    local_pool: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The remote and the local call of one _read_blocks, as the release
+    makes them (0.34: each region paired at its group, the peer's regions in
+    the same order)."""
+    remote: dict[str, Any] = {
+        "block_ids": remote_ids,
+        "dst_num_blocks": remote_pool,
+        "block_size_ratio": None,
+        "physical_blocks_per_logical": 1,
+        "region_num_blocks": [remote_pool] * regions,
+    }
+    if vllm.pairs:
+        remote["pairs"] = (list(range(regions)), list(owners))
+        remote["ssm_regions"] = None
+    else:
+        remote["region_group_ids"] = owners
+        remote["uses_region_group_mapping"] = max(owners) > 0
+    local = {
+        **remote,
+        "block_ids": local_ids,
+        "dst_num_blocks": local_pool,
+        "block_size_ratio": 1,
+        "region_num_blocks": [local_pool] * regions,
+    }
+    if vllm.pairs:
+        local.pop("ssm_regions")
+    return remote, local
+
+
+def cases(vllm: Vllm, blocks_list: tuple[int, ...]) -> list[Case]:
+    """Every cell: both models, one group, hybrid (and, on 0.34, a Mamba
+    model), both id patterns."""
     rng = np.random.default_rng(31)
     found = []
+    layouts = ["one group", "hybrid", *(["mamba"] if vllm.pairs else [])]
     for model, regions, remote_pool, local_pool in MODELS:
-        for groups in ("one group", "hybrid"):
-            n_groups = 1 if groups == "one group" else HYBRID_GROUPS
-            # Hybrid: the regions in n_groups runs, one per group.
-            owners = [r * n_groups // regions for r in range(regions)]
-            worker = bare_worker(cls, regions, owners, specs)
+        for groups in layouts:
+            if groups == "mamba":
+                owners = [int(r % MAMBA_ATTENTION != 0) for r in range(regions)]
+                specs = (vllm.specs[0], vllm.mamba_spec)
+                worker = bare_worker(vllm, regions, owners, specs, mamba=True)
+            else:
+                n_groups = 1 if groups == "one group" else HYBRID_GROUPS
+                # Hybrid: the regions in n_groups runs, one per group.
+                owners = [r * n_groups // regions for r in range(regions)]
+                worker = bare_worker(vllm, regions, owners, vllm.specs)
             for ids in ("scattered", "consecutive"):
                 for blocks in blocks_list:
-                    remote = {
-                        "block_ids": draw_ids(rng, remote_pool, blocks, n_groups, ids),
-                        "dst_num_blocks": remote_pool,
-                        "block_size_ratio": None,
-                        "physical_blocks_per_logical": 1,
-                        "region_num_blocks": [remote_pool] * regions,
-                        "region_group_ids": owners,
-                        "uses_region_group_mapping": n_groups > 1,
-                    }
-                    local = {
-                        **remote,
-                        "block_ids": draw_ids(rng, local_pool, blocks, n_groups, ids),
-                        "dst_num_blocks": local_pool,
-                        "block_size_ratio": 1,
-                        "region_num_blocks": [local_pool] * regions,
-                    }
+                    mamba_groups = groups == "mamba"
+
+                    def side(
+                        pool: int,
+                        ids: str = ids,
+                        blocks: int = blocks,
+                        n: int = max(owners) + 1,
+                        mamba: bool = mamba_groups,
+                    ) -> Any:
+                        if not mamba:
+                            return draw_ids(rng, pool, blocks, n, ids)
+                        # Every request's attention ids; one SSM state block.
+                        drawn = draw_ids(rng, pool, blocks + 1, 1, ids)[0]
+                        return [drawn[:blocks], drawn[blocks:]]
+
+                    calls = call_pair(
+                        vllm,
+                        regions,
+                        owners,
+                        side(remote_pool),
+                        side(local_pool),
+                        remote_pool,
+                        local_pool,
+                    )
                     found.append(
-                        Case(model, regions, groups, ids, blocks, worker, remote, local)
+                        Case(model, regions, groups, ids, blocks, worker, (calls,))
                     )
     return found
 
 
-def contenders(base_worker: Any, vllm_method: Any) -> dict[str, Callable[..., Any]]:
-    """vLLM's _compute_desc_ids, the plugin's compiled one, and its wrap."""
+def trace_cases(vllm: Vllm, per_bucket: int) -> list[Case]:
+    """The shipped traces' transfers, one group, both models: GPU ids as the
+    local side's, CPU positions (chunks expanded to blocks) as the remote's;
+    one cell per trace and size bucket."""
+    from ptrres.bench import TRACES, load_trace
+    from ptrres.bench.traces import paired_positions, spread
+
+    buckets = ((1, 16), (16, 256), (256, 1 << 30))
+    found = []
+    for model, regions, _, local_pool in MODELS:
+        owners = [0] * regions
+        worker = bare_worker(vllm, regions, owners, vllm.specs)
+        for name in TRACES:
+            trace = load_trace(name)
+            remote_pool = trace.num_cpu_blocks * trace.blocks_per_chunk
+            sizes = np.diff(trace.gpu_offsets)
+            for low, high in buckets:
+                members = np.flatnonzero((sizes >= low) & (sizes < high))
+                calls = []
+                for j in spread(len(members), per_bucket):
+                    t = trace.transfer(int(members[j]))
+                    gpu, cpu = paired_positions(
+                        t.gpu_ids, t.cpu_ids, trace.blocks_per_chunk, t.block_index
+                    )
+                    calls.append(
+                        call_pair(
+                            vllm,
+                            regions,
+                            owners,
+                            [cpu.tolist()],
+                            [gpu.tolist()],
+                            remote_pool,
+                            local_pool,
+                        )
+                    )
+                bucket = f">= {low}" if high >= 1 << 30 else f"{low}-{high - 1}"
+                most = int(sizes[members].max()) if len(members) else 0
+                found.append(
+                    Case(model, regions, name, bucket, most, worker, tuple(calls))
+                )
+    return found
+
+
+def contenders(vllm: Vllm) -> dict[str, Callable[..., Any]]:
+    """vLLM's _compute_desc_ids, the plugin's compiled one (and its wrap)."""
+    vllm_method = vars(vllm.cls)["_compute_desc_ids"]
+    if vllm.pairs:
+        from ptrres.vllm._nixl_pairs import patched_compute_desc_ids
+
+        compiled = patched_compute_desc_ids(vllm.base_worker, vllm_method, lambda: True)
+        return {"vllm": vllm_method, "compiled": compiled}
     from ptrres.vllm._nixl import NixlPatch, patched_functions
 
     def patched(compiled: bool) -> Callable[..., Any]:
         method, _ = patched_functions(
-            NixlPatch(base_worker, vllm_method, lambda: True, compiled=compiled)
+            NixlPatch(vllm.base_worker, vllm_method, lambda: True, compiled=compiled)
         )
         return method
 
@@ -211,23 +362,30 @@ def contenders(base_worker: Any, vllm_method: Any) -> dict[str, Callable[..., An
 
 
 def transfer(method: Callable[..., Any], case: Case) -> Callable[[], Any]:
-    """The index path of one _read_blocks: the remote call, then the local."""
-    worker, remote, local = case.worker, case.remote, case.local
+    """The index path of the cell's _read_blocks (one, or a trace bucket's in
+    turn): the remote call, then the local."""
+    worker, calls = case.worker, case.calls
 
     def both() -> Any:
-        return method(worker, **remote), method(worker, **local)
+        return [
+            (method(worker, **remote), method(worker, **local))
+            for remote, local in calls
+        ]
 
     return both
 
 
 def check_equal(methods: dict[str, Callable[..., Any]], case: Case) -> int:
-    """Every contender's output is vLLM's (values and dtype); its length."""
+    """Every contender's output is vLLM's (values and dtype); the indices of
+    one side of a transfer (on average, for a trace bucket)."""
     outputs = {name: transfer(m, case)() for name, m in methods.items()}
-    for name, sides in outputs.items():
-        for side, expected in zip(sides, outputs["vllm"]):
-            assert side.dtype == expected.dtype, (name, case, side.dtype)
-            assert np.array_equal(side, expected), (name, case)
-    return len(outputs["vllm"][0])
+    for name, transfers in outputs.items():
+        for sides, expected_sides in zip(transfers, outputs["vllm"]):
+            for side, expected in zip(sides, expected_sides):
+                assert side.dtype == expected.dtype, (name, case.model, side.dtype)
+                assert np.array_equal(side, expected), (name, case.model, case.ids)
+    sizes = [len(sides[0]) for sides in outputs["vllm"]]
+    return round(sum(sizes) / max(len(sizes), 1))
 
 
 def peak_bytes(fn: Callable[[], Any]) -> int:
@@ -264,103 +422,126 @@ def index_table(
     methods: dict[str, Callable[..., Any]],
     seconds: float,
     rounds: int,
-) -> list[float]:
-    """One table: every cell, the three contenders interleaved; the ratios
-    vLLM / compiled and vLLM / wrap, in order."""
+) -> dict[str, list[float]]:
+    """One table: every cell, the contenders interleaved; for each contender
+    but vLLM, vLLM's time over its own, cell by cell: the medians' ratio
+    (``name``) and the best rounds' (``name, best``), which a machine shared
+    with other work disturbs less."""
     from ptrres.bench import compare
 
+    names = list(methods)
+    others = names[1:]
+    slash = " / ".join(names)
     print(
-        "| model | regions | groups | ids | blocks | indices/side | vLLM us "
-        "| compiled us | wrap us | vLLM/compiled | vLLM/wrap | wrap - vLLM us "
-        f"| best of {rounds} us | page faults | peak KiB |"
+        "| model | regions | groups | ids | blocks | indices/side | "
+        + " | ".join(f"{n} us" for n in names)
+        + " | "
+        + " | ".join(f"vLLM/{n}" for n in others)
+        + f" | best of {rounds} us ({slash}) | page faults | peak KiB |"
     )
-    print("|---|---:|---|---|---:|" + "---:|" * 10)
-    ratios: list[float] = []
+    print("|---|---:|---|---|---:|---:|" + "---:|" * (len(names) + len(others) + 3))
+    ratios: dict[str, list[float]] = {
+        label: [] for n in others for label in (n, f"{n}, best of rounds")
+    }
     for case in all_cases:
         n = check_equal(methods, case)
         calls = {name: transfer(m, case) for name, m in methods.items()}
         timing = compare(calls, seconds=seconds, rounds=rounds)
-        us = {name: t.seconds * 1e6 for name, t in timing.items()}
-        ratios += [us["vllm"] / us["compiled"], us["vllm"] / us["wrap"]]
-        best = " / ".join(f"{min(timing[c].rounds) * 1e6:.1f}" for c in CONTENDERS)
-        faults = " / ".join(f"{page_faults(calls[c]):.0f}" for c in CONTENDERS)
-        peaks = " / ".join(f"{peak_bytes(calls[c]) / 1024:.0f}" for c in CONTENDERS)
+        # Per transfer (a trace bucket's cell times several in turn).
+        per = len(case.calls)
+        us = {name: t.seconds * 1e6 / per for name, t in timing.items()}
+        for other in others:
+            ratios[other].append(us["vllm"] / us[other])
+            ratios[f"{other}, best of rounds"].append(
+                min(timing["vllm"].rounds) / min(timing[other].rounds)
+            )
+        best = " / ".join(f"{min(timing[c].rounds) * 1e6 / per:.1f}" for c in names)
+        faults = " / ".join(f"{page_faults(calls[c]) / per:.0f}" for c in names)
+        peaks = " / ".join(f"{peak_bytes(calls[c]) / 1024:.0f}" for c in names)
         print(
             f"| {case.model} | {case.regions} | {case.groups} | {case.ids} "
-            f"| {case.blocks} | {n} | {us['vllm']:.1f} | {us['compiled']:.1f} "
-            f"| {us['wrap']:.1f} | {us['vllm'] / us['compiled']:.2f}x "
-            f"| {us['vllm'] / us['wrap']:.2f}x | {us['wrap'] - us['vllm']:+.1f} "
-            f"| {best} | {faults} | {peaks} |",
+            f"| {case.blocks} | {n} | "
+            + " | ".join(f"{us[c]:.1f}" for c in names)
+            + " | "
+            + " | ".join(f"{us['vllm'] / us[c]:.2f}x" for c in others)
+            + f" | {best} | {faults} | {peaks} |",
             flush=True,
         )
     return ratios
 
 
-def summary(ratios: list[float], label: str) -> None:
+def summary(ratios: dict[str, list[float]], label: str) -> None:
     """Geometric means and lowest ratios, and whether "never slower" held."""
     from ptrres.bench import geometric_mean
 
-    compiled, wrap = ratios[0::2], ratios[1::2]
-    print(
-        f"\n{label}: compiled: geometric mean {geometric_mean(compiled):.2f}x vLLM's "
-        f"speed, lowest {min(compiled):.2f}x, {sum(r < 1 for r in compiled)} of "
-        f"{len(compiled)} cells slower; wrap: geometric mean "
-        f"{geometric_mean(wrap):.2f}x, lowest {min(wrap):.2f}x, "
-        f"{sum(r < 1 for r in wrap)} of {len(wrap)} cells slower"
-    )
+    parts = [
+        f"{name}: geometric mean {geometric_mean(found):.2f}x vLLM's speed, lowest "
+        f"{min(found):.2f}x, {sum(r < 1 for r in found)} of {len(found)} cells "
+        "slower"
+        for name, found in ratios.items()
+    ]
+    print(f"\n{label}: " + "; ".join(parts))
 
 
-# _compute_desc_ids' parameters after the worker, in order: those the
-# plugin checks vLLM's against.
-PARAMETERS = tuple(
-    next(
-        names
-        for (_, _, method), names in NIXL_METHODS.items()
-        if method == "_compute_desc_ids"
-    )[1:]
-)
+def positional(vllm: Vllm, call: dict[str, Any]) -> tuple[Any, ...]:
+    """A call's arguments after the worker, in the order of vLLM's
+    _compute_desc_ids, its defaults where the call leaves them."""
+    signature = inspect.signature(vars(vllm.cls)["_compute_desc_ids"])
+    bound = signature.bind(None, **call)
+    bound.apply_defaults()
+    return bound.args[1:]
 
 
 @dataclass(frozen=True)
 class Side:
-    """One call's positional arguments, with what the compiled path makes of
-    them: the worker's CompiledLayout, the flat ids, the output's length."""
+    """One call's keyword arguments, with what the compiled path makes of
+    them: the worker's layout, the flat ids, the output's length."""
 
-    arguments: tuple[Any, ...]
+    arguments: dict[str, Any]
     layout: Any
     flat: Any  # flat_ids(): the ids and where each group starts, first
     size: int
 
 
-def sides(case: Case, base_worker: Any) -> list[Side]:
-    """The remote call's and the local call's Side."""
+def sides(case: Case, vllm: Vllm) -> list[Side]:
+    """The remote call's and the local call's Side (of the cell's first
+    transfer)."""
+    from ptrres.vllm import _nixl_pairs
     from ptrres.vllm._nixl_regions import CompiledLayout, compiled_layout, flat_ids
 
     found = []
-    for call in (case.remote, case.local):
-        arguments = tuple(call[name] for name in PARAMETERS)
-        layout = compiled_layout(case.worker, arguments, base_worker)
+    for call in case.calls[0]:
+        arguments = positional(vllm, call)
         flat = flat_ids(arguments[0])
-        assert isinstance(layout, CompiledLayout), "not the compiled path"
         assert flat is not None, "ids that are no int64"
         lengths = [len(ids) for ids in arguments[0]]
-        size = layout.all_groups * sum(lengths) + sum(
-            m * k for m, k in zip(layout.per_group, lengths)
-        )
-        found.append(Side(arguments, layout, flat, size))
+        layout: Any
+        if vllm.pairs:
+            layout = _nixl_pairs.cached_layout(case.worker, arguments, vllm.base_worker)
+            assert layout is not None, "not the compiled path"
+            size = sum(n * lengths[key] for key, n in layout.per_key)
+        else:
+            layout = compiled_layout(case.worker, arguments, vllm.base_worker)
+            assert isinstance(layout, CompiledLayout), "not the compiled path"
+            size = layout.all_groups * sum(lengths) + sum(
+                m * k for m, k in zip(layout.per_group, lengths)
+            )
+        found.append(Side(call, layout, flat, size))
     return found
 
 
-def breakdown(all_cases: list[Case], base_worker: Any, seconds: float) -> None:
-    """Where the patched paths' time goes, per transfer (both calls): the
-    worker's layout (compiled_layout, looked up by layout_key), the lists made
-    one array (flat_ids; vLLM's own conversion, np.asarray(group, int32) per
-    group, beside it), the kernel with its output's allocation, and the range
-    check the wrap does instead of the kernel (all_in_range)."""
+def breakdown(all_cases: list[Case], vllm: Vllm, seconds: float) -> None:
+    """Where the patched path's time goes, per transfer (both calls): the
+    worker's layout (looked up by its key), the lists made one array
+    (flat_ids; vLLM's own conversion, np.asarray(group) per group, beside
+    it), the kernel with its output's allocation, and (0.30 to 0.33) the
+    range check the wrap does instead of the kernel (all_in_range)."""
     from ptrres import _kernels
     from ptrres.bench import compare
+    from ptrres.vllm import _nixl_pairs
     from ptrres.vllm._nixl_regions import all_in_range, compiled_layout, flat_ids
 
+    dtype = np.int64 if vllm.pairs else np.int32
     print(
         "\nWhere the time goes, per transfer (both calls), scattered ids:\n\n"
         "| model | groups | blocks | layout lookup us | flat_ids us "
@@ -370,21 +551,25 @@ def breakdown(all_cases: list[Case], base_worker: Any, seconds: float) -> None:
     for case in all_cases:
         if case.ids != "scattered":
             continue
-        both = sides(case, base_worker)
+        both = sides(case, vllm)
         worker = case.worker
 
         def lookup(both: list[Side] = both, worker: Any = worker) -> None:
             for side in both:
-                compiled_layout(worker, side.arguments, base_worker)
+                arguments = positional(vllm, side.arguments)
+                if vllm.pairs:
+                    _nixl_pairs.cached_layout(worker, arguments, vllm.base_worker)
+                else:
+                    compiled_layout(worker, arguments, vllm.base_worker)
 
         def flatten(both: list[Side] = both) -> None:
             for side in both:
-                flat_ids(side.arguments[0])
+                flat_ids(side.arguments["block_ids"])
 
         def vllm_arrays(both: list[Side] = both) -> None:
             for side in both:
-                for group in side.arguments[0]:
-                    np.asarray(group, dtype=np.int32)
+                for group in side.arguments["block_ids"]:
+                    np.asarray(group, dtype=dtype)
 
         def kernel(both: list[Side] = both) -> None:
             for side in both:
@@ -396,37 +581,37 @@ def breakdown(all_cases: list[Case], base_worker: Any, seconds: float) -> None:
             for side in both:
                 all_in_range(side.flat, side.layout.layout)
 
-        timing = compare(
-            {
-                "lookup": lookup,
-                "flat": flatten,
-                "vllm": vllm_arrays,
-                "kernel": kernel,
-                "check": check,
-            },
-            seconds=seconds,
-        )
+        steps: dict[str, Callable[[], object]] = {
+            "lookup": lookup,
+            "flat": flatten,
+            "vllm": vllm_arrays,
+            "kernel": kernel,
+        }
+        if not vllm.pairs:
+            steps["check"] = check
+        timing = compare(steps, seconds=seconds)
         us = {name: t.seconds * 1e6 for name, t in timing.items()}
+        checked = f"{us['check']:.1f}" if "check" in us else "-"
         print(
             f"| {case.model} | {case.groups} | {case.blocks} | {us['lookup']:.1f} "
             f"| {us['flat']:.1f} | {us['vllm']:.1f} | {us['kernel']:.1f} "
-            f"| {us['check']:.1f} |",
+            f"| {checked} |",
             flush=True,
         )
 
 
-def index_path(seconds: float, rounds: int, fresh: bool) -> None:
-    """The tables of the index path: on this process's heap (with where the
-    time goes), or, ``fresh``, on fresh pages (in a child that FRESH_MALLOC
-    configures)."""
+def index_path(seconds: float, rounds: int, fresh: bool, traces: bool) -> None:
+    """The tables of the index path: on this process's heap (with the
+    traces' table and where the time goes), or, ``fresh``, on fresh pages
+    (in a child that FRESH_MALLOC configures)."""
     import numba
-    import vllm
+    import vllm as vllm_package
 
     import ptrres
 
-    base_worker, cls, specs = load_vllm()
-    methods = contenders(base_worker, vars(cls)["_compute_desc_ids"])
-    all_cases = cases(cls, specs, BLOCKS)
+    vllm = load_vllm()
+    methods = contenders(vllm)
+    all_cases = cases(vllm, BLOCKS)
     if fresh:
         print(
             "\nFresh pages: glibc's malloc maps every block of 64 KiB or more "
@@ -439,7 +624,7 @@ def index_path(seconds: float, rounds: int, fresh: bool) -> None:
         print(f"\nload average {load()}")
         return
     print(
-        f"vLLM {vllm.__version__}, ptrres {ptrres.__version__}, numba "
+        f"vLLM {vllm_package.__version__}, ptrres {ptrres.__version__}, numba "
         f"{numba.__version__}, numpy {np.__version__}; {os.cpu_count()} CPUs, "
         f"load average {load()}\n"
     )
@@ -447,12 +632,21 @@ def index_path(seconds: float, rounds: int, fresh: bool) -> None:
         "The index path of one `_read_blocks` (remote call, then local), on "
         "the benchmark's warm heap: the median per transfer over the rounds; "
         "best of the rounds, minor page faults per transfer and the most "
-        "memory a transfer holds at once (tracemalloc) as vLLM / compiled / "
-        "wrap:\n"
+        "memory a transfer holds at once (tracemalloc) as "
+        f"{' / '.join(methods)}:\n"
     )
     summary(index_table(all_cases, methods, seconds, rounds), "warm heap")
     print(f"\nload average {load()}")
-    breakdown(all_cases, base_worker, seconds)
+    if traces:
+        print(
+            "\nThe shipped traces (vLLM 0.33's allocators), one group: "
+            f"{TRACE_TRANSFERS} transfers of each size bucket, timed in turn; "
+            "per transfer (blocks: the bucket's largest):\n"
+        )
+        found = trace_cases(vllm, TRACE_TRANSFERS)
+        summary(index_table(found, methods, seconds, rounds), "traces")
+        print(f"\nload average {load()}")
+    breakdown(all_cases, vllm, seconds)
 
 
 def fresh_pages(argv: list[str]) -> None:
@@ -631,10 +825,10 @@ def main() -> None:
     rounds = args.rounds or (5 if args.quick else 15)
     seconds = 0.03 if args.quick else 0.3
     if args.fresh_pages:
-        index_path(seconds, rounds, fresh=True)
+        index_path(seconds, rounds, fresh=True, traces=False)
         return
     if args.patch_cost is not True:
-        index_path(seconds, rounds, fresh=False)
+        index_path(seconds, rounds, fresh=False, traces=True)
         fresh_pages(["--quick"] if args.quick else ["--rounds", str(rounds)])
     if args.patch_cost is not False:
         patch_cost(1 if args.quick else 9, args.before, args.quick)
