@@ -6,9 +6,10 @@ vLLM 0.34's file worker gives ref d of a group the bytes
 group's pages are equal that is SPEC 11's ref-major layout, which ptrres
 plans; where they differ, the ranges are either sparse (no two overlap:
 vLLM's layout is sound, and its own code keeps it) or overlapping (ptrres
-refuses the job, with an OverlappingPagesError). ``_file_worker``'s docstring says why. The verdicts
-are computed once per table (or per shape of DevicePointers, from their
-sizes) and checked per job against its non-empty groups.
+refuses the job, with an OverlappingPagesError). ``_file_worker``'s
+docstring says why. The verdicts are computed once per table (or per shape
+of DevicePointers, from their sizes) and checked per job against its
+non-empty groups.
 
 Importing this module imports neither vLLM nor numba.
 """
