@@ -314,8 +314,10 @@ def compiled_layout(
         layout = desc_layout(worker, arguments, base_worker)
         if layout is None:
             return None
+        # A count below 0 (a peer's handshake can say so) takes no id: the
+        # kernel compares ids with the count as unsigned.
         segments = np.array(
-            [(s.group, s.first, s.blocks) for s in layout.segments], np.int64
+            [(s.group, s.first, max(s.blocks, 0)) for s in layout.segments], np.int64
         ).reshape(len(layout.segments), 3)
         per_group = [0] * len(arguments[0])
         for segment in layout.segments:

@@ -563,6 +563,9 @@ EXAMPLES = [
     # The SSM group's ids count logical blocks: 8 // 2.
     Case(((MAMBA, (Call(((7,), (0,), (3, 4), (0,)), 8, None, 2),)),)),
     Case(((MAMBA, (Call(((0,), (8,), (0,), (0,)), 8, None, 2),)),)),
+    # A region of -1 blocks (a peer's handshake): no id is in it (its
+    # successor's first descriptor is 1 block before its own).
+    Case(((HYBRID, (Call(((1,), (2,)), 4, None, 1, (-1, 4)),)),)),
     # No num_regions yet: vLLM counts block_len_per_layer.
     Case(((replace(HYBRID, num_regions=0), (Call(((3,), (2,)), 4),)),)),
     *([Case(((ROUTED, (Call(((1, 3), (2, 4)), 4, None, 1, (4, 4, 8)),)),))] * ROUTING),
