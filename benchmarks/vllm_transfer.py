@@ -7,8 +7,9 @@ job (``pointer_utils.resolve_device_pointers``) before the handler fills its
 buffers from the DevicePointers, a job is both: vLLM's resolve and
 transfer_async against the patched connector's resolve and the patched
 transfer_async; a second table times the resolve alone, vLLM's
-``pointer_utils.resolve_device_pointers`` against the one patched in. The handler is vLLM's, built through its real __init__ on
-CPU tensors (the device side a tensor subclass that reports is_cuda); streams
+``pointer_utils.resolve_device_pointers`` against the one patched in. The
+handler is vLLM's, built through its real __init__ on CPU tensors (the
+device side a tensor subclass that reports is_cuda); streams
 and events are stubs and the copy is skipped (``_swap_blocks_batch`` does
 nothing), so what is timed is vLLM's Python and the descriptor fill: what a
 vLLM worker spends on the CPU per store or load.
