@@ -166,7 +166,7 @@ def path_finding(state: PathState) -> Finding:
     if state.status == "patched":
         return Finding("ok", state.path, _patched_detail(state))
     if state.status == "waiting":
-        modules = " or ".join(m.rpartition(".")[2] for m in state.detail)
+        modules = " or ".join(_trigger_name(m) for m in state.detail)
         return Finding(
             "wait",
             state.path,
@@ -183,15 +183,25 @@ def path_finding(state: PathState) -> Finding:
     return Finding("no", state.path, "not patched: the plugin is not registered here")
 
 
+def _trigger_name(module: str) -> str:
+    """A trigger as a line names it: its last part, or its last two where
+    another path's trigger ends the same (the offloading connector's
+    ``offloading.worker``, the file worker's ``fs.worker``)."""
+    last = module.rpartition(".")[2]
+    alike = {
+        m for ms in PATH_TRIGGERS.values() for m in ms if m.rpartition(".")[2] == last
+    }
+    return last if len(alike) == 1 else ".".join(module.split(".")[-2:])
+
+
 def _patched_detail(state: PathState) -> str:
     """What a patched path's line says: the attributes replaced, and when."""
-    triggers = " or ".join(m.rpartition(".")[2] for m in PATH_TRIGGERS[state.path])
+    triggers = " or ".join(_trigger_name(m) for m in PATH_TRIGGERS[state.path])
     when = f"once vLLM imports {triggers}"
     match = state.match
     if match is not None and match.by_fingerprint:
         when += (
-            f" (vLLM {match.installed} is untested; its code here is "
-            f"{match.release}'s)"
+            f" (vLLM {match.installed} is untested; its code here is {match.release}'s)"
         )
     if state.path == _state.SIMPLE:
         modules = (SIMPLE_MODULE, *SIMPLE_BACKEND_MODULES)

@@ -1,8 +1,10 @@
-"""Each of vLLM's paths patched on its own (issue 35, item 3): when vLLM
-imports that path's modules, importing no other path's; left alone on its
-own where its guard trips, the others patched; every combination of the
-PTRRES_VLLM* switches; what ``ptrres check`` says of each path, including in
-a trimmed vLLM where the NIXL connector cannot be imported.
+"""Each of vLLM's paths patched on its own (issue 35, item 3; issue 39,
+item 5): when vLLM imports that path's modules, importing no other path's;
+left alone on its own where its code is no tested release's, the others
+patched; every combination of the PTRRES_VLLM* switches; what ``ptrres
+check`` says of each path, including in a trimmed vLLM where the NIXL
+connector cannot be imported. On every release 0.30-0.34: what each has is
+test_vllm_patch's RELEASE_PATHS.
 """
 
 from __future__ import annotations
@@ -24,12 +26,38 @@ from typing import Any
 
 import pytest
 from nixl_worker import base_worker
-from vllm_harness import copy_backend, cuda_mem_ops, disk_backend, worker
+from test_vllm_patch import (
+    ABSENT,
+    FS_WORKER_MODULE,
+    INSTALLED,
+    NAMES,
+    POINTER_UTILS_MODULE,
+    PRESENT,
+    matching_release,
+    refusal,
+)
+from vllm_harness import (
+    CONNECTOR_MODULE,
+    DEVICE_POINTERS,
+    copy_backend,
+    cuda_mem_ops,
+    worker,
+)
 
+import ptrres
 import ptrres.vllm as plugin
 from ptrres.vllm import _check, _hook, _patching, _state
-from ptrres.vllm._release import PATH_MODULES, PATH_TRIGGERS, release_series
-from ptrres.vllm._state import HANDLER, NIXL, PATHS, SIMPLE
+from ptrres.vllm._release import PATH_MODULES, PATH_TRIGGERS, match_path
+from ptrres.vllm._state import (
+    CONNECTOR,
+    FILE_WORKER,
+    HANDLER,
+    NIXL,
+    PATHS,
+    POINTER_UTILS,
+    SIMPLE,
+    Match,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 Handler = worker.SingleDirectionOffloadingHandler
@@ -51,15 +79,13 @@ def _unpatched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _replaced() -> dict[tuple[int, str], tuple[Any, str, str, str]]:
     """Every attribute a path replaces, by owner and name: its owner, its
-    name, its path and its qualified name (each path's plan, made without
-    applying it)."""
-    series, refusal = release_series()
-    assert series is not None, refusal
+    name, its path and its qualified name (each present path's plan, made
+    without applying it)."""
     found = {}
-    for path in PATHS:
-        replacements, refusal = _patching.plan_path(path, series)
-        assert refusal is None, refusal
-        for r in replacements:
+    for path in PRESENT:
+        match = match_path(path)
+        assert isinstance(match, Match), match
+        for r in _patching.plan_path(path, match.variant):
             found[id(r.owner), r.name] = (r.owner, r.name, path, r.qualified_name)
     return found
 
@@ -81,11 +107,27 @@ def states() -> dict[str, str]:
     return {s.path: s.status for s in _patching.path_states()}
 
 
+def idle(path: str, how: str) -> str:
+    """Where a path this vLLM lacks stands once patch() or register() ran:
+    patch() finds it absent; register() (every trigger of this vLLM imported)
+    finds it absent where its trigger is there (0.30-0.33's connector worker,
+    without a resolve), and else waits for a module this vLLM never imports."""
+    if how == "patch" or path == CONNECTOR:
+        return "absent"
+    return "waiting"
+
+
+def test_the_replaced_attributes_are_the_names_patch_gives() -> None:
+    assert sorted(q for *_, q in REPLACED.values()) == sorted(
+        n for p in PRESENT for n in NAMES[p]
+    )
+
+
 # --- each path imported alone, in a fresh process -----------------------------------
 
 # register() as vLLM's loader calls it, before any vLLM module; then vLLM,
 # then one module of one path, as vLLM imports it. What the process imported
-# of each path, and where each path stands.
+# of the paths' modules, and where each path stands.
 ALONE = """
 import importlib, json, sys
 import ptrres.vllm
@@ -98,10 +140,9 @@ importlib.import_module(sys.argv[1])
 print(json.dumps({
     "registered": registered,
     "states": {s.path: s.status for s in _patching.path_states()},
-    "imported": {
-        path: [m for m in modules if m in sys.modules]
-        for path, modules in PATH_MODULES.items()
-    },
+    "imported": sorted(
+        {m for modules in PATH_MODULES.values() for m in modules if m in sys.modules}
+    ),
     "numba": "numba" in sys.modules,
     "hook": [type(f).__name__ for f in sys.meta_path].count("PatchOnImport"),
 }))
@@ -151,90 +192,200 @@ def run_both(code: str, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return reports[0], reports[1]
 
 
+SIMPLE_BACKEND = copy_backend.__name__
+DISK_BACKEND = "vllm.v1.simple_kv_offload.disk_backend"
+# Each module vLLM may import first, alone, and the paths patched then. On
+# 0.34 gpu_worker, fs.worker and the connector's worker import pointer_utils
+# themselves: it is patched with them, first (so that their from-imports
+# would take ptrres's; the patch of their own path rebinds them anyway).
+# 0.30-0.33 have the connector's worker without its resolve: that path is
+# found absent then. The simple path's patch imports its other backend.
+ALONE_CASES = [
+    (POINTER_UTILS_MODULE, {POINTER_UTILS}, set()),
+    (CONNECTOR_MODULE, {POINTER_UTILS, CONNECTOR} if DEVICE_POINTERS else set(), set()),
+    (
+        worker.__name__,
+        {POINTER_UTILS, HANDLER} if DEVICE_POINTERS else {HANDLER},
+        set(),
+    ),
+    (FS_WORKER_MODULE, {POINTER_UTILS, FILE_WORKER}, set()),
+    (SIMPLE_BACKEND, {SIMPLE}, {DISK_BACKEND}),
+    (f"{NIXL_PACKAGE}.push_worker", {NIXL}, set()),
+]
+
+
+PATCHED_BY = {module: patched for module, patched, _ in ALONE_CASES}
+NIXL_ALONE = {NIXL}
+
+
 @pytest.mark.parametrize(
-    ("path", "module"),
+    ("module", "patched", "extra"),
     [
-        (HANDLER, "vllm.v1.kv_offload.cpu.gpu_worker"),
-        (SIMPLE, "vllm.v1.simple_kv_offload.copy_backend"),
-        (NIXL, f"{NIXL_PACKAGE}.push_worker"),
-        (NIXL, f"{NIXL_PACKAGE}.connector"),  # what vLLM imports: both workers
+        pytest.param(*case, id=".".join(case[0].split(".")[-2:]))
+        for case in ALONE_CASES
+        if DEVICE_POINTERS or case[0] not in (POINTER_UTILS_MODULE, FS_WORKER_MODULE)
     ],
 )
-def test_each_path_imported_alone_is_patched_alone(path: str, module: str) -> None:
-    """Only that path is patched, and the plugin imports no other path's
-    module (vLLM's NIXL workers import cuda_mem_ops themselves, for
-    pin_tensor: as many with the plugin off); the hook waits for the other
-    paths. Nothing of numba."""
+def test_each_path_imported_alone_is_patched_alone(
+    module: str, patched: set[str], extra: set[str]
+) -> None:
+    """The paths of that module alone are patched (and, on 0.30-0.33, the
+    connector's found absent), the plugin importing no module of vLLM's
+    paths beyond the patched paths' own (the same as with the plugin off,
+    but for ``extra``); the hook waits for the other paths. Nothing of
+    numba."""
     report, without = run_both(ALONE, module)
     assert report["registered"] == []  # register() imports neither vLLM nor numba
+    found_absent = (
+        {CONNECTOR} if module == CONNECTOR_MODULE and not DEVICE_POINTERS else set()
+    )
     assert report["states"] == {
-        other: "patched" if other == path else "waiting" for other in PATHS
+        path: "patched"
+        if path in patched
+        else "absent"
+        if path in found_absent
+        else "waiting"
+        for path in PATHS
     }
     assert without["states"] == dict.fromkeys(PATHS, "off")
-    own = [m for m in PATH_MODULES[path] if m != "vllm.v1.kv_offload.pointer_utils"]
-    assert report["imported"][path] == own
-    for other in PATHS:
-        if other != path:
-            assert report["imported"][other] == without["imported"][other]
-            assert not set(report["imported"][other]) & set(PATH_TRIGGERS[other])
+    assert set(report["imported"]) - set(without["imported"]) == extra
+    assert set(without["imported"]) <= set(report["imported"])
+    for path in PATHS:
+        triggered = set(report["imported"]) & set(PATH_TRIGGERS[path])
+        assert bool(triggered) == (path in patched | found_absent), path
     assert report["numba"] is False
     assert report["hook"] == 1  # still waiting for the other paths
 
 
-# vLLM imports each path in turn: each is patched then, and the hook leaves
-# once none waits.
+# vLLM imports each path in turn (each trigger this vLLM has, and 0.30-0.33's
+# connector worker): each is patched then, and the hook leaves once none
+# waits. On 0.34, the modules that bind pointer_utils' functions, imported
+# after it was patched, take ptrres's at import; unpatch() gives each back
+# vLLM's own (their paths' patches kept it).
 IN_TURN = """
 import importlib, json, sys
 import vllm, ptrres.vllm
 from ptrres.vllm import _patching
-from ptrres.vllm._release import PATH_TRIGGERS
 ptrres.vllm.register()
 seen = []
-for path, triggers in PATH_TRIGGERS.items():
-    importlib.import_module(triggers[0])
+for module in sys.argv[1:]:
+    importlib.import_module(module)
     seen.append({
         "states": [s.status for s in _patching.path_states()],
         "hook": [type(f).__name__ for f in sys.meta_path].count("PatchOnImport"),
     })
-print(json.dumps(seen))
+bindings = [
+    (module, name)
+    for module in sys.argv[1:]
+    for name in ("resolve_device_pointers", "iter_pointer_groups")
+    if hasattr(sys.modules[module], name)
+]
+def owners():
+    return [getattr(sys.modules[m], n).__module__ for m, n in bindings]
+patched = owners()
+ptrres.vllm.unpatch()
+print(json.dumps({
+    "seen": seen,
+    "bindings": [f"{m.rpartition('.')[2]}.{n}" for m, n in bindings],
+    "patched": patched,
+    "unpatched": owners(),
+}))
 """
 
 
 def test_paths_imported_in_turn_are_patched_in_turn() -> None:
-    result = run_python(IN_TURN)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.splitlines()[-1]) == [
-        {"states": ["patched", "waiting", "waiting"], "hook": 1},
-        {"states": ["patched", "patched", "waiting"], "hook": 1},
-        {"states": ["patched", "patched", "patched"], "hook": 0},
+    modules = [
+        module
+        for module in (
+            POINTER_UTILS_MODULE,
+            CONNECTOR_MODULE,
+            worker.__name__,
+            FS_WORKER_MODULE,
+            SIMPLE_BACKEND,
+            f"{NIXL_PACKAGE}.pull_worker",
+        )
+        if DEVICE_POINTERS or module not in (POINTER_UTILS_MODULE, FS_WORKER_MODULE)
     ]
+    result = run_python(IN_TURN, *modules)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    done: dict[str, str] = {}
+    expected = []
+    for module in modules:
+        patched = NIXL_ALONE if module.startswith(NIXL_PACKAGE) else PATCHED_BY[module]
+        done.update(dict.fromkeys(patched, "patched"))
+        if module == CONNECTOR_MODULE and not DEVICE_POINTERS:
+            done[CONNECTOR] = "absent"
+        expected.append(
+            {
+                "states": [done.get(path, "waiting") for path in PATHS],
+                # 0.30-0.33: pointer_utils and the file worker wait for good.
+                "hook": int(len(done) < len(PATHS)),
+            }
+        )
+    assert report["seen"] == expected
+    assert expected[-1]["hook"] == int(not DEVICE_POINTERS)
+    if not DEVICE_POINTERS:
+        assert report["bindings"] == []
+        return
+    assert report["bindings"] == [
+        "pointer_utils.resolve_device_pointers",
+        "pointer_utils.iter_pointer_groups",
+        "worker.resolve_device_pointers",
+        "gpu_worker.iter_pointer_groups",
+        "worker.iter_pointer_groups",
+    ]
+    assert report["patched"] == ["ptrres.vllm._pointers"] * 5
+    assert report["unpatched"] == [POINTER_UTILS_MODULE] * 5
 
 
-# --- each path's guard, tripped in turn -----------------------------------------------
+# --- a path whose code changed, in turn --------------------------------------------
 
 
 def changed(*args: Any, out: Any = None) -> Any:
-    """A stand-in for a vLLM method or function with another signature."""
+    """A stand-in for a vLLM method or function (other code)."""
     raise AssertionError("never called")
 
 
-# Per path: an attribute its guard checks, and the reason it then gives.
-GUARDS = {
-    HANDLER: (Handler, "transfer_async", "transfer_async has the signature"),
-    SIMPLE: (cuda_mem_ops, "copy_blocks", "copy_blocks has the signature"),
-    NIXL: (Base, "_compute_desc_ids", "_compute_desc_ids has the signature"),
-}
+def guard(path: str) -> tuple[Any, str, str, tuple[str, ...]]:
+    """Per path: an owner and name of code it depends on, the phrase naming
+    it, and the paths that depend on it (each left alone when it changes):
+    the path alone, but for pointer_utils' functions, which the connector
+    and the file worker reproduce too."""
+    if path == POINTER_UTILS:
+        module = importlib.import_module(POINTER_UTILS_MODULE)
+        return (
+            module,
+            "resolve_device_pointers",
+            "pointer_utils.resolve_device_pointers",
+            (POINTER_UTILS, CONNECTOR, FILE_WORKER),
+        )
+    if path == CONNECTOR:
+        owner = importlib.import_module(CONNECTOR_MODULE).OffloadingConnectorWorker
+        name = "start_kv_transfers"
+        return owner, name, f"worker.OffloadingConnectorWorker.{name}", (path,)
+    if path == FILE_WORKER:
+        owner = importlib.import_module(FS_WORKER_MODULE).FSOffloadingWorker
+        return owner, "_submit_io", "worker.FSOffloadingWorker._submit_io", (path,)
+    if path == HANDLER:
+        phrase = "gpu_worker.SingleDirectionOffloadingHandler.transfer_async"
+        return Handler, "transfer_async", phrase, (path,)
+    if path == SIMPLE:
+        return cuda_mem_ops, "copy_blocks", "cuda_mem_ops.copy_blocks", (path,)
+    phrase = "base_worker.NixlBaseConnectorWorker._compute_desc_ids"
+    return Base, "_compute_desc_ids", phrase, (path,)
 
 
 @pytest.mark.parametrize("how", ["patch", "register"])
-@pytest.mark.parametrize("path", PATHS)
-def test_a_paths_guard_leaves_it_alone_and_patches_the_others(
+@pytest.mark.parametrize("path", PRESENT)
+def test_a_path_whose_code_changed_is_left_alone_and_the_others_patched(
     path: str, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One warning naming the path and why; none of its attributes replaced
-    (all or nothing within it); every other path patched; unpatch() then
-    restores every attribute to the very object it was."""
-    owner, name, reason = GUARDS[path]
+    """One warning per path left alone, naming it and what differs from the
+    release; none of its attributes replaced (all or nothing within it);
+    every other path patched; unpatch() then restores every attribute to
+    the very object it was."""
+    owner, name, phrase, alone = guard(path)
     vllms = attributes()
     monkeypatch.setattr(owner, name, changed)
     before = attributes()
@@ -245,17 +396,21 @@ def test_a_paths_guard_leaves_it_alone_and_patches_the_others(
         else:
             plugin.register()
     messages = [str(w.message) for w in caught if w.category is plugin.VllmPatchWarning]
-    assert len(messages) == 1, messages
-    assert messages[0].startswith(f"ptrres.vllm left vLLM's {path} unpatched: ")
-    assert reason in messages[0]
+    assert messages == [refusal(p, f"{phrase} has other code") for p in alone]
     assert states() == {
-        other: "left alone" if other == path else "patched" for other in PATHS
+        other: "left alone"
+        if other in alone
+        else "patched"
+        if other in PRESENT
+        else idle(other, how)
+        for other in PATHS
     }
-    (refusal,) = next(s for s in _patching.path_states() if s.path == path).detail
-    assert reason in refusal
+    for other in alone:
+        (reason,) = next(s for s in _patching.path_states() if s.path == other).detail
+        assert messages[alone.index(other)].endswith(reason)
     after = attributes()
     replaced = {key for key in before if after[key] is not before[key]}
-    theirs = {key for key, (_, _, other, _) in REPLACED.items() if other != path}
+    theirs = {key for key, (_, _, other, _) in REPLACED.items() if other not in alone}
     assert replaced == theirs  # the other paths' attributes, and only those
     assert _current(owner, name) is changed
     plugin.unpatch()
@@ -274,7 +429,7 @@ class ReadOnly(types.ModuleType):
         super().__setattr__(name, value)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", PRESENT)
 def test_a_path_whose_last_attribute_cannot_be_set_is_left_whole(
     path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -283,21 +438,30 @@ def test_a_path_whose_last_attribute_cannot_be_set_is_left_whole(
     real_plan = _patching.plan_path
     frozen = ReadOnly("frozen_owner")
 
-    def plan_with_a_frozen_attribute(which: str, series: str) -> Any:
-        replacements, refusal = real_plan(which, series)
+    def plan_with_a_frozen_attribute(which: str, variant: str) -> Any:
+        replacements = real_plan(which, variant)
         if which == path:
-            replacements = [
-                *replacements,
-                _state.Replacement(frozen, "frozen", None, object()),
-            ]
-        return replacements, refusal
+            replacements.append(_state.Replacement(frozen, "frozen", None, object()))
+        return replacements
 
     monkeypatch.setattr(_patching, "plan_path", plan_with_a_frozen_attribute)
     before = attributes()
-    with pytest.warns(plugin.VllmPatchWarning, match=f"vLLM's {path} unpatched: "):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         patched = plugin.patch()
+    assert [
+        str(w.message) for w in caught if w.category is plugin.VllmPatchWarning
+    ] == [
+        f"ptrres.vllm left vLLM's {path} unpatched: frozen_owner.frozen: "
+        "AttributeError('frozen is read-only')"
+    ]
     assert states() == {
-        other: "left alone" if other == path else "patched" for other in PATHS
+        other: "left alone"
+        if other == path
+        else "patched"
+        if other in PRESENT
+        else "absent"
+        for other in PATHS
     }
     after = attributes()
     for key, (_, _, which, qualified) in REPLACED.items():
@@ -307,20 +471,27 @@ def test_a_path_whose_last_attribute_cannot_be_set_is_left_whole(
     assert all(attributes()[key] is before[key] for key in before)
 
 
-def test_an_untested_release_leaves_every_path_alone(
+def test_an_untested_release_with_tested_code_is_patched_path_by_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Another version string: every attribute replaced as on the release
+    itself, each path matched by fingerprint; unpatch() restores them."""
     import vllm
 
     before = attributes()
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    with pytest.warns(plugin.VllmPatchWarning) as caught:
-        assert plugin.patch() == []
-    assert [str(w.message) for w in caught] == [
-        "ptrres.vllm left vLLM unpatched: vLLM 0.34.0 is not a tested version "
-        "(0.30.x, 0.31.x, 0.32.x, 0.33.x)"
-    ]
-    assert states() == dict.fromkeys(PATHS, "left alone")
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", plugin.VllmPatchWarning)
+        plugin.patch()
+    after = attributes()
+    assert all(after[key] is not before[key] for key in before)
+    assert states() == {p: "patched" if p in PRESENT else "absent" for p in PATHS}
+    for path in PRESENT:
+        release, variant = matching_release(path)
+        assert _patching.path_states()[PATHS.index(path)].match == Match(
+            release, variant, "0.35.0"
+        )
+    plugin.unpatch()
     monkeypatch.undo()
     assert all(attributes()[key] is before[key] for key in before)
 
@@ -338,37 +509,41 @@ def test_every_combination_of_the_switches(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """register() (vLLM's modules imported already: at once) and `ptrres
+    """register() (this vLLM's modules imported already: at once) and `ptrres
     check`'s lines agree with what each switch says, path by path."""
     monkeypatch.setenv("PTRRES_VLLM", vllm)
     monkeypatch.setenv("PTRRES_VLLM_NIXL", nixl)
     monkeypatch.setenv("PTRRES_VLLM_COALESCE", coalesce)
+
+    def switched_off(path: str) -> bool:
+        return vllm == "0" or (path == NIXL and nixl == "0")
+
     expected = {
-        HANDLER: "patched" if vllm == "1" else "off",
-        SIMPLE: "patched" if vllm == "1" else "off",
-        NIXL: "patched" if vllm == "1" and nixl == "1" else "off",
+        path: "off"
+        if switched_off(path)
+        else "patched"
+        if path in PRESENT
+        else idle(path, "register")
+        for path in PATHS
     }
     before = attributes()
     with caplog.at_level(logging.INFO, logger="ptrres.vllm"):
         plugin.register()
     assert states() == expected
-    lines = {
-        path: r.getMessage()
-        for r in caplog.records
-        for path in PATHS
-        if f"'s {path}: patched " in r.getMessage()
-    }
-    assert set(lines) == {p for p, s in expected.items() if s == "patched"}
-    for path, line in lines.items():
-        assert line.endswith(
-            "(coalescing on); kernels are made ready at engine start-up"
-            if coalesce == "1" and path != NIXL
-            else "_blocks; kernels are made ready at engine start-up"
-            if path != HANDLER
-            else "transfer_async; kernels are made ready at engine start-up"
-        ), line
+    lines = [r.getMessage() for r in caplog.records if r.name == "ptrres.vllm"]
+    assert lines == [
+        f"ptrres {ptrres.__version__} checks vLLM {INSTALLED}'s {path}: patched "
+        f"{', '.join(NAMES[path])}"
+        + (" (coalescing on)" if coalesce == "1" and path in (HANDLER, SIMPLE) else "")
+        + "; kernels are made ready at engine start-up"
+        for path, state in expected.items()
+        if state == "patched"
+    ]
     assert _state.coalesce_requested() == (coalesce == "1")
-    assert _hook.PatchOnImport.installed is None  # nothing left to wait for
+    # Nothing left to wait for but, on 0.30-0.33, the modules they lack.
+    waiting = {p for p, s in expected.items() if s == "waiting"}
+    assert set(_hook.PatchOnImport.waiting_paths()) == waiting
+    assert (_hook.PatchOnImport.installed is None) == (not waiting)
     after = attributes()
     for key, (_, _, path, _) in REPLACED.items():
         assert (after[key] is not before[key]) == (expected[path] == "patched")
@@ -376,8 +551,8 @@ def test_every_combination_of_the_switches(
     plugin.unpatch()
     findings = {f.topic: f.status for f in _check.path_findings()}
     assert findings == {
-        path: "ok" if status == "patched" else "off"
-        for path, status in expected.items()
+        path: "off" if switched_off(path) else "ok" if path in PRESENT else "none"
+        for path in PATHS
     }
     assert not plugin.is_patched()  # check restores what it patched
     assert all(attributes()[key] is before[key] for key in before)
@@ -395,7 +570,6 @@ def test_check_shows_a_waiting_path_as_waiting(monkeypatch: pytest.MonkeyPatch) 
         "PATH_TRIGGERS",
         {**PATH_TRIGGERS, NIXL: ("ptrres_never_imported_pull_worker",)},
     )
-    monkeypatch.setenv("PTRRES_VLLM_NIXL", "1")
     plugin.register()
     findings = {f.topic: (f.status, f.detail) for f in _check.path_findings()}
     assert findings[NIXL] == (
@@ -403,7 +577,20 @@ def test_check_shows_a_waiting_path_as_waiting(monkeypatch: pytest.MonkeyPatch) 
         "waiting for vLLM to import it (ptrres_never_imported_pull_worker); "
         "patched then",
     )
-    assert findings[HANDLER][0] == findings[SIMPLE][0] == "ok"
+    for path in PRESENT:
+        if path != NIXL:
+            assert findings[path][0] == "ok"
+    for path in ABSENT:  # 0.30-0.33: a module they never import, or none
+        assert findings[path] == (
+            ("none", "not in this vLLM: nothing to patch")
+            if path == CONNECTOR
+            else (
+                "wait",
+                f"waiting for vLLM to import it "
+                f"({'pointer_utils' if path == POINTER_UTILS else 'fs.worker'}); "
+                "patched then",
+            )
+        )
     assert states()[NIXL] == "waiting"  # check left the process as it was
     status, line = _check.summary(list(_check.path_findings()))
     assert (status, line) == (
@@ -427,16 +614,32 @@ def test_check_shows_one_line_per_path() -> None:
 
     out = io.StringIO()
     check_command(out, kernels=False)
-    topics = list(check_lines(out.getvalue()))
+    findings = check_lines(out.getvalue())
+    topics = list(findings)
     assert [t for t in topics if t in PATHS] == list(PATHS)
     assert topics.index(NIXL) + 1 == topics.index("PTRRES_VLLM")
+    triggers = {
+        POINTER_UTILS: "pointer_utils",
+        CONNECTOR: "offloading.worker",
+        HANDLER: "gpu_worker",
+        FILE_WORKER: "fs.worker",
+        SIMPLE: "copy_backend or disk_backend",
+        NIXL: "pull_worker or push_worker",
+    }
+    for path in PRESENT:
+        status, detail = findings[path]
+        assert status == "ok"
+        assert detail.startswith(f"patched once vLLM imports {triggers[path]}: ")
+    for path in ABSENT:
+        assert findings[path] == ("none", "not in this vLLM: nothing to patch")
 
 
 # In a trimmed vLLM: transformers cannot be imported (as where vLLM is
 # installed --no-deps with only what its offloading workers import), and so
-# neither can the NIXL connector. "check": `ptrres check`, ptrres's entry
-# point visible to vLLM; "vllm": the plugin registered, then vLLM's imports
-# of each path.
+# neither can the NIXL connector, the offloading connector's worker, nor
+# (0.34) the file worker. "check": `ptrres check`, ptrres's entry point
+# visible to vLLM; "vllm": the plugin registered, then vLLM's imports of
+# each path, then patch().
 TRIMMED = """
 import importlib.abc, importlib.metadata, io, json, sys, warnings
 
@@ -474,54 +677,113 @@ with warnings.catch_warnings(record=True) as caught:
         nixl = "imported"
     except ImportError as error:
         nixl = repr(error)
+registered = {s.path: s.status for s in _patching.path_states()}
+with warnings.catch_warnings(record=True) as patched:
+    warnings.simplefilter("always")
+    ptrres.vllm.patch()
 print(json.dumps({
-    "states": {s.path: s.status for s in _patching.path_states()},
+    "states": registered,
     "nixl": nixl,
     "warnings": [str(w.message) for w in caught],
+    "patched": {s.path: s.status for s in _patching.path_states()},
+    "patch_warnings": [str(w.message) for w in patched],
 }))
 """
+NO_TRANSFORMERS = "(ModuleNotFoundError(\"No module named 'transformers'\"))"
+# The paths whose modules import transformers: left alone there, saying why.
+TRIMMED_AWAY = (CONNECTOR, FILE_WORKER, NIXL) if DEVICE_POINTERS else (CONNECTOR, NIXL)
 
 
-def test_in_a_trimmed_vllm_check_shows_the_nixl_connector_left_alone() -> None:
-    """Without transformers the NIXL connector cannot be imported: check
-    says it is left alone, and why, and the offloading paths patched."""
+def test_in_a_trimmed_vllm_check_shows_what_cannot_be_imported_left_alone() -> None:
+    """Without transformers the NIXL connector, the connector's worker and
+    (0.34) the file worker cannot be imported: check says they are left
+    alone, and why (on 0.30-0.33 too, for the connector's worker, whose
+    path it cannot tell is absent), and the others patched or absent."""
     result = run_python(TRIMMED, "check")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.splitlines()[-1])
     text = report["text"].splitlines()
     findings = check_lines(report["text"])
-    assert findings[HANDLER][0] == "ok"
-    assert findings[SIMPLE][0] == "ok"
-    assert findings[NIXL] == (
-        "no",
-        f"left as vLLM has it: {NIXL_PACKAGE}.pull_worker cannot be imported "
-        "(ModuleNotFoundError(\"No module named 'transformers'\"))",
-    )
+    modules = {
+        CONNECTOR: CONNECTOR_MODULE,
+        FILE_WORKER: FS_WORKER_MODULE,
+        NIXL: f"{NIXL_PACKAGE}.pull_worker",
+    }
+    for path in PATHS:
+        if path in TRIMMED_AWAY:
+            assert findings[path] == (
+                "no",
+                f"left as vLLM has it: {modules[path]} cannot be imported "
+                + NO_TRANSFORMERS,
+            )
+        else:
+            assert findings[path][0] == ("ok" if path in PRESENT else "none"), path
+    patched = spoken([p for p in PRESENT if p not in TRIMMED_AWAY])
+    alone = spoken(list(TRIMMED_AWAY))
     assert text[-1] == (
-        "The plugin will patch vLLM's offloading handler and simple offload "
-        "path, and leave its NIXL connector as vLLM has it (why: above)."
+        f"The plugin will patch vLLM's {patched}, and leave its {alone} as vLLM "
+        "has it (why: above)."
     )
     assert report["status"] == 1
 
 
 def test_in_a_trimmed_vllm_the_offloading_paths_are_patched() -> None:
-    """In vLLM's process the offloading paths are patched as vLLM imports
+    """In vLLM's process the paths vLLM imports are patched as it imports
     them, without a warning; the NIXL connector waits for an import that
-    vLLM cannot make either."""
+    vLLM cannot make either. patch() then leaves each path that cannot be
+    imported alone, with its warning (not absent)."""
     result = run_python(TRIMMED, "vllm")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.splitlines()[-1])
-    assert report["states"] == {HANDLER: "patched", SIMPLE: "patched", NIXL: "waiting"}
+    imported = {HANDLER, SIMPLE} | ({POINTER_UTILS} if DEVICE_POINTERS else set())
+    assert report["states"] == {
+        path: "patched" if path in imported else "waiting" for path in PATHS
+    }
     assert "transformers" in report["nixl"]
     assert report["warnings"] == []
+    first = {
+        CONNECTOR: CONNECTOR_MODULE,
+        FILE_WORKER: FS_WORKER_MODULE,
+        NIXL: f"{NIXL_PACKAGE}.base_worker",
+    }
+    assert report["patch_warnings"] == [
+        f"ptrres.vllm left vLLM's {path} unpatched: {first[path]} cannot be "
+        f"imported {NO_TRANSFORMERS}"
+        for path in TRIMMED_AWAY
+    ]
+    assert report["patched"] == {
+        path: "left alone"
+        if path in TRIMMED_AWAY
+        else "patched"
+        if path in PRESENT
+        else "absent"
+        for path in PATHS
+    }
+
+
+def spoken(names: list[str]) -> str:
+    """ "a, b and c"."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def test_the_paths_modules_are_their_own() -> None:
-    """No module belongs to two paths, and each path's triggers are its own."""
-    modules = [m for ms in PATH_MODULES.values() for m in ms]
-    assert len(modules) == len(set(modules))
+    """Each path's triggers are its own; the modules several paths share are
+    pointer_utils and vLLM's types (base), the offloading paths'."""
     for path, triggers in PATH_TRIGGERS.items():
         assert set(triggers) <= set(PATH_MODULES[path])
+        for other in PATHS:
+            if other != path:
+                assert not set(triggers) & set(PATH_TRIGGERS[other]), (path, other)
+    sharing: dict[str, set[str]] = {}
+    for path, modules in PATH_MODULES.items():
+        for module in modules:
+            sharing.setdefault(module, set()).add(path)
+    shared = {m: paths for m, paths in sharing.items() if len(paths) > 1}
+    offloading = {POINTER_UTILS, CONNECTOR, HANDLER, FILE_WORKER}
+    assert shared == {
+        POINTER_UTILS_MODULE: offloading,
+        "vllm.v1.kv_offload.base": offloading,
+    }
     assert copy_backend.__name__ in PATH_TRIGGERS[SIMPLE]
-    assert disk_backend.__name__ in PATH_TRIGGERS[SIMPLE]
+    assert DISK_BACKEND in PATH_TRIGGERS[SIMPLE]
     importlib.import_module(PATH_TRIGGERS[NIXL][0])
