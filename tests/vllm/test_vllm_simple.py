@@ -25,6 +25,7 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
+from test_vllm_patch import refusal
 from vllm_harness import (
     BatchDriver,
     DriverCall,
@@ -127,12 +128,11 @@ def test_a_changed_copy_blocks_leaves_the_simple_path_alone(
 
     handler = vars(Handler)["transfer_async"]
     monkeypatch.setattr(cuda_mem_ops, "copy_blocks", copy_blocks)
-    with pytest.warns(
-        plugin.VllmPatchWarning,
-        match="^ptrres.vllm left vLLM's simple offload path unpatched: "
-        ".*copy_blocks has the signature",
-    ):
+    with pytest.warns(plugin.VllmPatchWarning) as caught:
         patched = plugin.patch()
+    assert [
+        str(w.message) for w in caught if w.category is plugin.VllmPatchWarning
+    ] == [refusal(_state.SIMPLE, "cuda_mem_ops.copy_blocks has other code")]
     assert not set(patched) & set(SIMPLE_PATCHES)
     assert "SingleDirectionOffloadingHandler.transfer_async" in patched
     assert not _state.patched(_state.SIMPLE)
@@ -146,15 +146,17 @@ def test_a_changed_copy_blocks_leaves_the_simple_path_alone(
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ("backend", "copy_backend.copy_blocks is not"),
-        ("driver", "_batch_memcpy is missing"),
-        ("fields", "BatchMemcpyParams has the fields"),
-        ("chunking", "_resolve_max_batch_descriptors is missing"),
+        ("backend", "copy_backend.copy_blocks has other code"),
+        ("driver", "cuda_mem_ops._batch_memcpy is missing"),
+        ("fields", "cuda_mem_ops.BatchMemcpyParams has other code"),
+        ("chunking", "cuda_mem_ops._resolve_max_batch_descriptors is missing"),
     ],
 )
 def test_what_the_patch_relies_on_is_checked_first(
     change: str, reason: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A backend that binds another copy_blocks, the driver, the params'
+    fields, the chunking: what differs is named, the path left alone."""
     if change == "backend":
         monkeypatch.setattr(copy_backend, "copy_blocks", lambda *args: None)
     elif change == "driver":
@@ -167,8 +169,11 @@ def test_what_the_patch_relies_on_is_checked_first(
         monkeypatch.setattr(cuda_mem_ops, "BatchMemcpyParams", Params)
     else:
         monkeypatch.delattr(cuda_mem_ops, "_resolve_max_batch_descriptors")
-    with pytest.warns(plugin.VllmPatchWarning, match=reason):
+    with pytest.warns(plugin.VllmPatchWarning) as caught:
         patched = plugin.patch()
+    assert [
+        str(w.message) for w in caught if w.category is plugin.VllmPatchWarning
+    ] == [refusal(_state.SIMPLE, reason)]
     assert not set(patched) & set(SIMPLE_PATCHES)
     assert _state.patched(_state.HANDLER)
     assert not _state.patched(_state.SIMPLE)
@@ -821,15 +826,19 @@ def triggers(
         _patching,
         "PATH_TRIGGERS",
         {
-            _state.HANDLER: ("ptrres_trigger_never_handler",),
-            _state.SIMPLE: (outer, inner),
-            _state.NIXL: ("ptrres_trigger_never_nixl",),
+            path: (outer, inner) if path == _state.SIMPLE else (never(path),)
+            for path in _state.PATHS
         },
     )
     monkeypatch.delenv("PTRRES_VLLM", raising=False)
     yield outer, inner
     for name in (outer, inner):
         sys.modules.pop(name, None)
+
+
+def never(path: str) -> str:
+    """A module nobody imports, standing in for ``path``'s trigger."""
+    return "ptrres_trigger_never_" + path.replace(" ", "_")
 
 
 def hooks() -> list[Any]:
@@ -853,14 +862,12 @@ def test_register_patches_once_the_last_trigger_has_run(
     assert (module.PATCHED, sys.modules[inner].PATCHED) == (False, False)
     # The simple path alone; the hook waits for the others.
     assert [(s.path, s.status) for s in _patching.path_states()] == [
-        (_state.HANDLER, "waiting"),
-        (_state.SIMPLE, "patched"),
-        (_state.NIXL, "waiting"),
+        (path, "patched" if path == _state.SIMPLE else "waiting")
+        for path in _state.PATHS
     ]
     assert len(hooks()) == 1
     assert hooks()[0].triggers == {
-        "ptrres_trigger_never_handler",
-        "ptrres_trigger_never_nixl",
+        never(path) for path in _state.PATHS if path != _state.SIMPLE
     }
     assert type(module.__loader__).__name__ == "SourceFileLoader"
     assert module.__spec__ is not None

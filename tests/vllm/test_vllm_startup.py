@@ -1,10 +1,14 @@
-"""The patched handler's constructor: kernels made ready, the plan built, so
-that no transfer compiles or loads anything (issue 21), in this process and
-in fresh ones, with the plugin loaded by vLLM's own load_general_plugins().
+"""The patched constructor of what vLLM builds at engine start-up: kernels
+made ready, the plans built, so that no transfer compiles or loads anything
+(issue 21), in this process and in fresh ones, with the plugin loaded by
+vLLM's own load_general_plugins(). On vLLM 0.30-0.33 that is the handler's
+constructor; on 0.34 CPUOffloadingWorker's, which builds its three handlers
+(they hold no GPU tensors) and one table of its KV caches.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import logging
@@ -18,7 +22,16 @@ from typing import Any
 
 import pytest
 from test_vllm_handler import assert_same, transfer, two_group_layout
-from vllm_harness import CopyEngine, specs, stubbed_vllm, worker
+from vllm_harness import (
+    DEVICE_POINTERS,
+    CopyEngine,
+    Layout,
+    PointerHandler,
+    connector_resolve,
+    specs,
+    stubbed_vllm,
+    worker,
+)
 
 import ptrres
 import ptrres.vllm as plugin
@@ -26,6 +39,12 @@ from ptrres._config import KERNELS
 from ptrres.vllm import _handler, _warmup
 
 ROOT = Path(__file__).resolve().parents[2]
+# What vLLM builds at engine start-up, whose constructor the plugin patches.
+BUILT_AT_START = (
+    worker.CPUOffloadingWorker
+    if DEVICE_POINTERS
+    else (worker.SingleDirectionOffloadingHandler)
+)
 JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 IDS = ([3, 4, 5, 9, 1, 2], [4, 2], [6, 1])  # as test_vllm_handler's
 CPU_IDS = [5, 2, 7]
@@ -37,6 +56,24 @@ def _unpatched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(_warmup, "_warmup_logged", False)
     yield
     plugin.unpatch()
+
+
+def start_up(layout: Layout, gpu_to_cpu: bool) -> Any:
+    """The handler for this direction, built as at engine start-up: by its
+    own constructor (0.30-0.33), or by CPUOffloadingWorker's (0.34), which
+    is then behind a PointerHandler that resolves each transfer as the
+    connector does (its module imported first, as vLLM's connector has)."""
+    if not DEVICE_POINTERS:
+        return layout.handler(gpu_to_cpu)
+    connector_resolve()
+    kv_caches = layout.kv_caches()
+    offloading = worker.CPUOffloadingWorker(
+        kv_caches=kv_caches,
+        blocks_per_chunk=layout.blocks_per_chunk,
+        num_cpu_chunks=layout.num_cpu_chunks,
+    )
+    handler = offloading._store_handler if gpu_to_cpu else offloading._load_handler
+    return PointerHandler(handler, kv_caches)
 
 
 def kernel_state() -> list[Any]:
@@ -57,29 +94,34 @@ def kernel_state() -> list[Any]:
 def test_the_constructor_warms_up_then_builds_the_plan(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Kernels first, then each handler's plan: one handler per constructor
+    on 0.30-0.33, the worker's three handlers on 0.34."""
     events: list[str] = []
-    real_warmup, real_plan = ptrres.warmup, _handler._handler_plan
+    real_warmup = ptrres.warmup
 
     def recorded_warmup(**kwargs: Any) -> ptrres.WarmupReport:
         events.append("warmup")
         return real_warmup(**kwargs)
 
-    def recorded_plan(handler: Any) -> Any:
-        events.append("plan")
-        return real_plan(handler)
+    class RecordedPlan(_handler.HandlerPlan):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            events.append("plan")
+            super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(_warmup, "warmup", recorded_warmup)
-    monkeypatch.setattr(_handler, "_handler_plan", recorded_plan)
+    monkeypatch.setattr(_handler, "HandlerPlan", RecordedPlan)
+    built = ["warmup", *["plan"] * (3 if DEVICE_POINTERS else 1)]
     with stubbed_vllm():
         plugin.patch()
-        handler = two_group_layout().handler(True)
-        assert events == ["warmup", "plan"]
+        handler = start_up(two_group_layout(), True)
+        assert events == built
         plan = handler._ptrres_plan
+        assert isinstance(plan, RecordedPlan)
         assert isinstance(plan.table, ptrres.PointerTable)
         assert isinstance(plan.offloaded, ptrres.OffloadedLayout)
         assert plan.offloaded.blocks_per_chunk == 4
-        two_group_layout().handler(False)
-    assert events == ["warmup", "plan", "warmup", "plan"]
+        start_up(two_group_layout(), False)
+    assert events == built * 2
 
 
 @pytest.mark.parametrize("gpu_to_cpu", [True, False])
@@ -89,7 +131,7 @@ def test_after_the_constructor_the_first_transfer_compiles_nothing(
     engine = CopyEngine()
     with stubbed_vllm(engine):
         plugin.patch()
-        handler = two_group_layout().handler(gpu_to_cpu)
+        handler = start_up(two_group_layout(), gpu_to_cpu)
         src, dst = specs(*IDS, CPU_IDS, gpu_to_cpu=gpu_to_cpu)
         before, modules = kernel_state(), set(sys.modules)
         got = transfer(handler, engine, 1, src, dst)
@@ -105,8 +147,8 @@ def test_after_the_constructor_the_first_transfer_compiles_nothing(
 def test_warmup_is_logged_once_per_process(caplog: pytest.LogCaptureFixture) -> None:
     with stubbed_vllm(), caplog.at_level(logging.DEBUG, logger="ptrres.vllm"):
         plugin.patch()
-        two_group_layout().handler(True)
-        two_group_layout().handler(False)
+        start_up(two_group_layout(), True)
+        start_up(two_group_layout(), False)
     lines = [r for r in caplog.records if "ptrres warmup:" in r.getMessage()]
     assert [r.levelno for r in lines] == [logging.INFO, logging.DEBUG]
     how = "interpreted" if JIT_DISABLED else "(loaded|compiled|ready)"
@@ -140,20 +182,18 @@ def test_ptrres_vllm_0_builds_vllms_handler_alone(
     monkeypatch.setenv("PTRRES_VLLM", "0")
     plugin.register()
     with stubbed_vllm():
-        handler = two_group_layout().handler(True)
+        handler = start_up(two_group_layout(), True)
     assert not hasattr(handler, "_ptrres_plan")
 
 
 def test_a_handler_built_after_unpatch_is_vllms_alone() -> None:
+    vllm_init = vars(BUILT_AT_START)["__init__"]
     with stubbed_vllm():
         plugin.patch()
         plugin.unpatch()
-        handler = two_group_layout().handler(True)
+        handler = start_up(two_group_layout(), True)
     assert not hasattr(handler, "_ptrres_plan")
-    assert (
-        type(handler).__init__
-        is vars(worker.SingleDirectionOffloadingHandler)["__init__"]
-    )
+    assert vars(BUILT_AT_START)["__init__"] is vllm_init
 
 
 @pytest.mark.parametrize("failure", ["warmup", "attribute"])
@@ -168,18 +208,29 @@ def test_a_handler_ptrres_cannot_plan_for_keeps_vllms_transfers(
             raise RuntimeError("no compiler here")
 
         monkeypatch.setattr(_warmup, "warmup", broken_warmup)
+        # 0.34: the worker makes the kernels ready for its handlers.
+        owner = BUILT_AT_START.__name__
         reason = "no compiler here"
     else:
-        attributes = (*_handler._HANDLER_ATTRIBUTES, "_no_such_pool")
-        monkeypatch.setattr(_handler, "_HANDLER_ATTRIBUTES", attributes)
+        # What the handler's form requires of it (0.34's is a module's own).
+        form, name = (
+            (
+                importlib.import_module("ptrres.vllm._handler_pointers"),
+                "_HANDLER_034_ATTRIBUTES",
+            )
+            if DEVICE_POINTERS
+            else (_handler, "_HANDLER_ATTRIBUTES")
+        )
+        monkeypatch.setattr(form, name, (*getattr(form, name), "_no_such_pool"))
+        owner = "SingleDirectionOffloadingHandler"
         reason = "the handler has no _no_such_pool"
     engine = CopyEngine()
     fills: list[int] = []
     with stubbed_vllm(engine), caplog.at_level(logging.WARNING, logger="ptrres"):
         src, dst = specs(*IDS, CPU_IDS, gpu_to_cpu=True)
         plugin.patch()
-        handler = two_group_layout().handler(True)
-        assert handler._ptrres_plan == _handler._DECLINED
+        handler = start_up(two_group_layout(), True)
+        assert handler._ptrres_plan == _handler.DECLINED
         original_fill = handler._fill_group_ops
 
         def counted_fill(*args: Any, **kwargs: Any) -> Any:
@@ -189,7 +240,7 @@ def test_a_handler_ptrres_cannot_plan_for_keeps_vllms_transfers(
         monkeypatch.setattr(handler, "_fill_group_ops", counted_fill)
         transfer(handler, engine, 1, src, dst)
     assert fills == [1, 1]  # vLLM filled both groups
-    assert f"keeps vLLM's own transfers: {reason}" in caplog.text
+    assert f"this {owner} keeps vLLM's own transfers: {reason}" in caplog.text
 
 
 # --- a fresh process, the plugin loaded by vLLM ---------------------------------
@@ -204,14 +255,13 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 import vllm.plugins
 vllm.plugins.load_general_plugins()
 import ptrres.vllm as plugin
-from ptrres.vllm import _handler
-from test_vllm_startup import kernel_state, IDS, CPU_IDS
+from test_vllm_startup import kernel_state, start_up, IDS, CPU_IDS
 from test_vllm_handler import transfer, two_group_layout
 from vllm_harness import CopyEngine, specs, stubbed_vllm
 engine = CopyEngine()
 with stubbed_vllm(engine):
     start = time.perf_counter()
-    handler = two_group_layout().handler(True)
+    handler = start_up(two_group_layout(), True)
     built = time.perf_counter() - start
     src, dst = specs(*IDS, CPU_IDS, gpu_to_cpu=True)
     before, modules = kernel_state(), set(sys.modules)
@@ -219,15 +269,15 @@ with stubbed_vllm(engine):
     ours = transfer(handler, engine, 1, src, dst)
     first = time.perf_counter() - start
     after, imported = kernel_state(), sorted(set(sys.modules) - modules)
-    vllms = _handler.vllm_transfer_async(handler, 2, src, dst)
-    handler.get_finished()
+    patched = plugin.is_patched()
+    plugin.unpatch()
+    vllms = transfer(handler, engine, 2, src, dst)
 print(json.dumps({
-    "patched": plugin.is_patched(),
+    "patched": patched,
     "unchanged": before == after,
     "imported": imported,
-    "same": [a.tobytes() for a in ours[0]]
-    == [engine.calls[-1].src.tobytes(), engine.calls[-1].dst.tobytes(),
-        engine.calls[-1].sizes.tobytes()],
+    "same": [a.tobytes() for a in ours[0]] == [a.tobytes() for a in vllms[0]]
+    and ours[1] == vllms[1],
     "seconds": {"constructor": built, "first_transfer": first},
 }))
 """
