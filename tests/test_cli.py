@@ -23,6 +23,7 @@ from ptrres._cli import main
 from ptrres._config import KERNELS
 from ptrres._operator import check_command, probe_findings
 from ptrres.bench import PRESETS, VirtualTensor
+from ptrres.vllm._state import PATHS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -293,11 +294,19 @@ def test_check_says_the_plugin_will_patch(vllm_env: Any) -> None:
         "ptrres = ptrres.vllm:register in vllm.general_plugins",
     )
     assert findings["VLLM_PLUGINS"][0] == "ok"
+    # The handler's form: vLLM 0.34's takes DevicePointers from its worker.
+    gpu_worker = "vllm.v1.kv_offload.cpu.gpu_worker"
     assert findings["offloading handler"] == (
         "ok",
         "patched once vLLM imports gpu_worker: "
-        "SingleDirectionOffloadingHandler.__init__, "
-        "SingleDirectionOffloadingHandler.transfer_async",
+        + (
+            "CPUOffloadingWorker.__init__, "
+            "SingleDirectionOffloadingHandler.transfer_async, "
+            f"{gpu_worker}.iter_pointer_groups"
+            if hasattr(sys.modules[gpu_worker], "iter_pointer_groups")
+            else "SingleDirectionOffloadingHandler.__init__, "
+            "SingleDirectionOffloadingHandler.transfer_async"
+        ),
     )
     assert findings["NIXL connector"] == (
         "ok",
@@ -368,30 +377,58 @@ def test_check_without_the_entry_point(vllm_env: Any) -> None:
     )
 
 
-@pytest.mark.parametrize("version", ["0.40.0", None])
-def test_check_on_an_untested_or_missing_vllm(
-    version: str | None, vllm_env: Any
-) -> None:
+TESTED = "0.30.0, 0.31.0, 0.32.0, 0.33.0, 0.34.0"
+
+
+def test_check_on_an_untested_vllm_with_tested_code(vllm_env: Any) -> None:
+    """A version ptrres was not tested against is a warning, not a block:
+    each path whose code is a tested release's is patched, and its line
+    says whose."""
+    import vllm
+
+    installed = vllm.__version__
+    real = importlib.metadata.version
+    vllm_env.setattr(
+        importlib.metadata,
+        "version",
+        lambda name: "0.40.0" if name == "vllm" else real(name),
+    )
+    vllm_env.setattr(vllm, "__version__", "0.40.0")
+    status, findings, text = check("--no-kernels")
+    assert status == 0, text
+    assert findings["vLLM"] == (
+        "warn",
+        f"0.40.0, not a tested release ({TESTED}): each path is patched where "
+        "its code is a tested release's",
+    )
+    assert findings["offloading handler"][0] == "ok"
+    assert (
+        f" (vLLM 0.40.0 is untested; its code here is {installed}'s): "
+        in findings["offloading handler"][1]
+    )
+    assert text.splitlines()[-1] == (
+        "The plugin will patch vLLM in every process vLLM starts."
+    )
+
+
+def test_check_on_a_missing_vllm(vllm_env: Any) -> None:
     real = importlib.metadata.version
 
     def fake_version(name: str) -> str:
-        if name != "vllm":
-            return real(name)
-        if version is None:
+        if name == "vllm":
             raise importlib.metadata.PackageNotFoundError(name)
-        return version
+        return real(name)
 
     vllm_env.setattr(importlib.metadata, "version", fake_version)
     status, findings, text = check("--no-kernels")
     assert status == 1
-    expected = "not installed here" if version is None else "0.40.0, not a tested"
-    assert findings["vLLM"][0] == "no"
-    assert findings["vLLM"][1].startswith(expected)
-    assert "(tested: 0.30.x, 0.31.x, 0.32.x, 0.33.x)" in text or version
+    assert findings["vLLM"] == ("no", f"not installed here (tested: {TESTED})")
     assert "offloading handler" not in findings
+    assert text.splitlines()[-1] == "The plugin will not patch vLLM: vLLM."
 
 
 def test_check_names_a_handler_that_changed(vllm_env: Any) -> None:
+    import vllm
     from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 
     def transfer_async(self: Any, job_id: int, spec: Any) -> bool:
@@ -400,13 +437,24 @@ def test_check_names_a_handler_that_changed(vllm_env: Any) -> None:
     vllm_env.setattr(SingleDirectionOffloadingHandler, "transfer_async", transfer_async)
     status, findings, text = check("--no-kernels")
     assert status == 1
-    assert findings["offloading handler"][0] == "no"
-    assert "transfer_async has the signature" in findings["offloading handler"][1]
-    # The other paths are patched on their own.
-    assert findings["simple offload path"][0] == "ok"
+    assert findings["offloading handler"] == (
+        "no",
+        f"left as vLLM has it: vLLM {vllm.__version__} (a tested release) has "
+        "other code here than every tested release; closest, "
+        f"{vllm.__version__}: gpu_worker.SingleDirectionOffloadingHandler."
+        "transfer_async has other code",
+    )
+    # The other paths are patched on their own (those this vLLM has).
+    others = [
+        topic
+        for topic, (status_word, _) in findings.items()
+        if status_word == "ok" and topic in PATHS
+    ]
+    assert {"simple offload path", "NIXL connector"} <= set(others)
+    patched = " and ".join([", ".join(others[:-1]), others[-1]])
     assert text.splitlines()[-1] == (
-        "The plugin will patch vLLM's simple offload path and NIXL connector, "
-        "and leave its offloading handler as vLLM has it (why: above)."
+        f"The plugin will patch vLLM's {patched}, and leave its offloading "
+        "handler as vLLM has it (why: above)."
     )
 
 
