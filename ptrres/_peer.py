@@ -355,7 +355,10 @@ def _peer_ref(entry: Any, group: int, d: int) -> PeerRef:
             f"{where}: page_size_bytes {page} is larger than the row stride "
             f"({stride} B)"
         )
-    if blocks and base + (blocks - 1) * stride + page > ADDRESS_LIMIT:
+    # Every field, and the end of the last block, below 2**63 (the kernels'
+    # int64 columns), a ref of no blocks included.
+    end = base + (blocks - 1) * stride + page if blocks else base
+    if max(end, stride, page, blocks) > ADDRESS_LIMIT:
         raise LayoutError(
             f"{where} at 0x{base:x} ({blocks} blocks, {stride} B apart) does not "
             "lie below 2**63, the addresses ptrres computes"

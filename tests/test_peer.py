@@ -323,6 +323,17 @@ def test_prepped_rows_are_one_strided_row_per_ref() -> None:
         ptrres.nixl.prepped_rows(huge)
     with pytest.raises(ptrres.LayoutError, match=r"NIXL's 2147483647 indices"):
         ptrres.nixl.prepped_indices(huge, [0], [1])
+    # Counts that sum past 2**64 (a peer's word: refs of one address, each
+    # 2**62 or 2**63 - 1 blocks) are summed exactly: numpy's sum wrapped to
+    # 0 or -2, which passed, and the indices of a good id came out negative
+    # (issue 40's fuzz).
+    for count, refs in ((2**62, 4), (2**63 - 1, 2)):
+        wraps = ptrres.PeerLayout([[(0, 0, 0, count)] * refs])
+        message = f"hold {count * refs} blocks"
+        with pytest.raises(ptrres.LayoutError, match=message):
+            ptrres.nixl.prepped_rows(wraps)
+        with pytest.raises(ptrres.LayoutError, match=message):
+            ptrres.nixl.prepped_indices(wraps, [count - 1], [1])
     on_gpu = ptrres.nixl.prepped_rows(peer, memory=ptrres.nixl.vram(1))
     assert on_gpu.mem_type == "VRAM"
     assert on_gpu.xfer_list[:, 2].tolist() == [1] * 4
@@ -499,9 +510,16 @@ def test_register_takes_each_allocation_once_and_undoes_it() -> None:
         ([[(0, 8, 16, 4)]], ptrres.LayoutError, "larger than the row stride"),
         ([[(0, -8, 0, 4)]], ptrres.LayoutError, "none may be negative"),
         ([[(2**62, 2**62, 8, 4)]], ptrres.LayoutError, "below 2\\*\\*63"),
+        # No blocks, but fields past int64: the kernels' columns overflowed
+        # (issue 40's fuzz).
+        ([[(2**63, 0, 0, 0)]], ptrres.LayoutError, "below 2\\*\\*63"),
+        ([[(0, 2**64, 0, 0)]], ptrres.LayoutError, "below 2\\*\\*63"),
         ([[(0, 8, 8)]], ptrres.InputTypeError, "4 to 6 fields"),
         ([[(0, 8, 8, 4.5)]], ptrres.InputTypeError, "must be an integer"),
         ([[(0, 8, 8, 4, -2)]], ptrres.LayoutError, "neither HOST"),
+        # A device past a C int: NIXL's devId column overflowed (issue 40).
+        ([[(0, 8, 8, 4, 2**31)]], ptrres.LayoutError, r"0 to 2147483647\)"),
+        ([[(0, 8, 8, 4, 2**70)]], ptrres.LayoutError, "neither HOST"),
         ([[SimpleNamespace(base_ptr=0)]], ptrres.InputTypeError, "has no"),
         ("refs", ptrres.InputTypeError, "must be a sequence"),
     ],
