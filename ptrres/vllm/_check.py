@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import _state
+from . import _patching, _state
 from ._hook import PatchOnImport
 from ._patching import PathState, VllmPatchWarning, patch_path, path_states, unpatch
 from ._release import (
@@ -125,6 +125,9 @@ def path_findings() -> list[Finding]:
     if _state.applied or _state.refused or PatchOnImport.installed is not None:
         return [path_finding(state) for state in path_states()]
     unimportable: dict[str, str] = {}
+    # The warnings patch_path() gives here are not shown: they stay unsaid,
+    # so that a patch() after this check still says them, once.
+    warned = set(_patching._warned)
     try:
         with warnings.catch_warnings():
             # The reasons are the lines' own.
@@ -150,6 +153,7 @@ def path_findings() -> list[Finding]:
             states = path_states()
     finally:
         unpatch()
+        _patching._warned.intersection_update(warned)
     return [
         path_finding(
             PathState(state.path, "left alone", (unimportable[state.path],))

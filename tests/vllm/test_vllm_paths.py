@@ -599,6 +599,30 @@ def test_check_shows_a_waiting_path_as_waiting(monkeypatch: pytest.MonkeyPatch) 
     )
 
 
+def test_check_leaves_the_warnings_it_does_not_show_unsaid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """check patches each path to see what becomes of it, its warnings
+    silenced (its lines say why): a patch() after it still warns, once."""
+    owner, name, phrase, _ = guard(HANDLER)
+    monkeypatch.setattr(owner, name, changed)
+    reason = refusal(HANDLER, f"{phrase} has other code")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", plugin.VllmPatchWarning)
+        findings = {f.topic: (f.status, f.detail) for f in _check.path_findings()}
+    assert findings[HANDLER] == (
+        "no",
+        "left as vLLM has it: " + reason.split(": ", 1)[1],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin.patch()
+        plugin.patch()
+    assert [
+        str(w.message) for w in caught if w.category is plugin.VllmPatchWarning
+    ] == [reason]
+
+
 def check_lines(text: str) -> dict[str, tuple[str, str]]:
     """`ptrres check`'s findings by topic: (status, detail)."""
     findings = {}
