@@ -371,8 +371,12 @@ def hostile_ids(draw: Draw, ids: Any) -> Any:
     values = np.asarray(ids).copy() if isinstance(ids, np.ndarray) else ids
     if kind == "entry" and isinstance(values, np.ndarray) and values.size:
         value = draw(st.sampled_from([-1, 6, 2**31, 2**62, 2**63 - 1, -(2**63)]))
-        values[draw(st.integers(0, values.size - 1))] = value
-        return values
+        entries = values.ravel().tolist()
+        entries[draw(st.integers(0, len(entries) - 1))] = value
+        try:  # (an earlier change may have left ids no int64 holds)
+            return np.array(entries)
+        except OverflowError:
+            return entries
     if kind == "dtype" and isinstance(values, np.ndarray):
         dtype = draw(
             st.sampled_from(
