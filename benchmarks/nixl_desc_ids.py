@@ -498,6 +498,8 @@ class Side:
     them: the worker's layout, the flat ids, the output's length."""
 
     arguments: dict[str, Any]
+    # The same, positional, in the order of vLLM's _compute_desc_ids.
+    positional: tuple[Any, ...]
     layout: Any
     flat: Any  # flat_ids(): the ids and where each group starts, first
     size: int
@@ -526,7 +528,7 @@ def sides(case: Case, vllm: Vllm) -> list[Side]:
             size = layout.all_groups * sum(lengths) + sum(
                 m * k for m, k in zip(layout.per_group, lengths)
             )
-        found.append(Side(call, layout, flat, size))
+        found.append(Side(call, arguments, layout, flat, size))
     return found
 
 
@@ -556,11 +558,10 @@ def breakdown(all_cases: list[Case], vllm: Vllm, seconds: float) -> None:
 
         def lookup(both: list[Side] = both, worker: Any = worker) -> None:
             for side in both:
-                arguments = positional(vllm, side.arguments)
                 if vllm.pairs:
-                    _nixl_pairs.cached_layout(worker, arguments, vllm.base_worker)
+                    _nixl_pairs.cached_layout(worker, side.positional, vllm.base_worker)
                 else:
-                    compiled_layout(worker, arguments, vllm.base_worker)
+                    compiled_layout(worker, side.positional, vllm.base_worker)
 
         def flatten(both: list[Side] = both) -> None:
             for side in both:
