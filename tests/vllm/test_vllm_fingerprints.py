@@ -49,11 +49,13 @@ from test_vllm_patch import (
     matching_release,
     patches_but,
     recorded_releases,
+    version_key,
 )
 from vllm_harness import worker
 
 import ptrres.vllm as plugin
 from ptrres.vllm import _patching, _record
+from ptrres.vllm._fingerprint import fingerprint
 from ptrres.vllm._release import match_path, path_code
 from ptrres.vllm._state import HANDLER, PATHS, Match
 
@@ -172,10 +174,10 @@ def test_a_comment_or_a_docstring_is_a_change(
     if not changes:
         assert isinstance(found, Match)
         return
+    # Closest: the installed release (one difference), tried first.
     assert found == (
         f"vLLM {INSTALLED} (a tested release) has other code here than every "
-        f"tested release; closest, {matching_release(HANDLER)[0]}: {qualname} "
-        "has other code"
+        f"tested release; closest, {INSTALLED}: {qualname} has other code"
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -418,6 +420,28 @@ def test_the_installed_code_under_another_version_is_patched(
     )
 
 
+def closest_where_changed(path: str, locator: str) -> str:
+    """The tested release a vLLM of another version, whose code on ``path``
+    is the installed release's but for ``locator``, is told closest to: the
+    fewest differences (that locator's, and those between the installed
+    code and the release's record), the newest first among equals."""
+    best: tuple[int, str] | None = None
+    for release, paths in sorted(
+        recorded_releases().items(), key=lambda item: version_key(item[0]), reverse=True
+    ):
+        if path not in paths:
+            continue
+        have = fingerprint(path_code(path, paths[path]["variant"]))
+        count = sum(
+            key == locator or have.get(key) != want
+            for key, want in paths[path]["fingerprint"].items()
+        )
+        if best is None or count < best[0]:
+            best = (count, release)
+    assert best is not None
+    return best[1]
+
+
 def test_a_changed_function_body_leaves_that_path_alone_only(
     copies: dict[str, dict[str, Any]],
 ) -> None:
@@ -425,7 +449,8 @@ def test_a_changed_function_body_leaves_that_path_alone_only(
     one warning naming it and what differs from the closest tested release;
     every other path is patched as its tested code."""
     report = copies["edited"]
-    closest = matching_release(HANDLER)[0]
+    transfer = f"{worker.__name__}:SingleDirectionOffloadingHandler.transfer_async"
+    closest = closest_where_changed(HANDLER, transfer)
     reason = (
         f"vLLM {UNTESTED} (not a tested release) has other code here than every "
         f"tested release; closest, {closest}: gpu_worker."
