@@ -27,7 +27,9 @@ and the request fails the way vLLM fails any transfer it cannot set up
 reclaimed), with no byte moved; the connector goes on with the next request.
 
 ``_read_blocks`` and ``_xfer_blocks`` are wrapped only to say, for the log,
-which request and engines a transfer is between. ``ptrres.vllm`` decides
+which request and engines a transfer is between. The wrapper, the worker's
+``__init__`` and the log lines serve vLLM 0.34's patch too
+(``ptrres.vllm._nixl_pairs``). ``ptrres.vllm`` decides
 what to replace and when (``PTRRES_VLLM_NIXL=0`` leaves this path alone);
 this module reads vLLM only through the objects it is given.
 """
@@ -49,6 +51,7 @@ from ._nixl_regions import (
     Arguments,
     BadId,
     CompiledLayout,
+    Segment,
     all_in_range,
     compiled_layout,
     first_bad_id,
@@ -256,4 +259,21 @@ def log_bad_id(worker: Any, bad: BadId) -> None:
         "fails in vLLM's transfer setup, and no block moves",
         _transfer.request_id, side, bad.value, engine, bad.group, bad.position,
         bad.segment.region, bad.segment.blocks,
+    )  # fmt: skip
+
+
+def log_unaddressable(worker: Any, bad: BadId, segments: Sequence[Segment]) -> None:
+    """One WARNING line for an id in its region whose index NIXL's C int
+    cannot hold (the regions' block counts add up past it)."""
+    side, engine = transfer_side(worker)
+    segment = next(
+        s for s in segments if (s.group, s.region, s.first) == bad.segment[:3]
+    )
+    reporter().warning(
+        "ptrres: NIXL transfer of request %s: %s block id %r (engine %s, group %d, "
+        "position %d) would be descriptor %d of region %d, which NIXL's int32 "
+        "indices cannot hold; the request fails in vLLM's transfer setup, and "
+        "no block moves",
+        _transfer.request_id, side, bad.value, engine, bad.group,
+        bad.position, segment.first + bad.value, segment.region,
     )  # fmt: skip

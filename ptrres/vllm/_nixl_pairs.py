@@ -50,14 +50,12 @@ import numpy.typing as npt
 from . import _nixl
 from ._fingerprint import PathCode
 from ._nixl_regions import (
-    BadId,
     DescLayout,
     Segment,
     first_bad_id,
     flat_ids,
     layout_of,
 )
-from ._state import reporter
 
 if TYPE_CHECKING:
     from ._state import Replacement
@@ -460,7 +458,7 @@ def checked_desc_ids(
     if bad is None and found.cut is not None:
         bad = first_bad_id(block_ids, found.cut)
         if bad is not None:
-            _log_unaddressable(worker, bad, found.layout.segments)
+            _nixl.log_unaddressable(worker, bad, found.layout.segments)
     elif bad is not None:
         _nixl.log_bad_id(worker, bad)
     size = _size(found, [len(ids) for ids in block_ids])
@@ -486,20 +484,3 @@ def checked_desc_ids(
 def _size(found: PairsLayout, lengths: Sequence[int]) -> int:
     """The output's length: each key's ids, once per segment of the key."""
     return sum(n * lengths[key] for key, n in found.per_key)
-
-
-def _log_unaddressable(worker: Any, bad: BadId, segments: Sequence[Segment]) -> None:
-    """One WARNING line for an id in its region whose index NIXL's C int
-    cannot hold (the regions' block counts add up past it)."""
-    side, engine = _nixl.transfer_side(worker)
-    segment = next(
-        s for s in segments if (s.group, s.region, s.first) == bad.segment[:3]
-    )
-    reporter().warning(
-        "ptrres: NIXL transfer of request %s: %s block id %r (engine %s, group %d, "
-        "position %d) would be descriptor %d of region %d, which NIXL's int32 "
-        "indices cannot hold; the request fails in vLLM's transfer setup, and "
-        "no block moves",
-        _nixl._transfer.request_id, side, bad.value, engine, bad.group,
-        bad.position, segment.first + bad.value, segment.region,
-    )  # fmt: skip
