@@ -62,6 +62,9 @@ KV_LAYOUTS: dict[str, str | None] = {
     "BHLNC": "a whole block row of every layer a page, heads outside layers "
     "and the row's padding in it",
 }
+# The largest TP size or head count a mapping takes: a peer's handshake can
+# say 2**62, and a mapping walks every rank and head.
+MAX_TP_OR_HEADS = 2**16
 # What a head slice needs, in errors that refuse one.
 SLICEABLE = (
     "head-slice pages whose heads are outermost (vLLM's kv_cache_layout LBHNC "
@@ -114,10 +117,12 @@ def rank_heads(tp_rank: int, tp_size: int, num_kv_heads: int) -> range:
 
 
 def check_rank(tp_rank: int, tp_size: int, num_kv_heads: int) -> None:
-    """Refuse a TP size or head count below 1, or a rank outside its TP."""
-    if min(tp_size, num_kv_heads) < 1:
+    """Refuse a TP size or head count below 1 (or above MAX_TP_OR_HEADS),
+    or a rank outside its TP."""
+    if not (1 <= tp_size <= MAX_TP_OR_HEADS and 1 <= num_kv_heads <= MAX_TP_OR_HEADS):
         raise LayoutError(
-            f"tp_size {tp_size} and num_kv_heads {num_kv_heads} must each be at least 1"
+            f"tp_size {tp_size} and num_kv_heads {num_kv_heads} must each be from "
+            f"1 to {MAX_TP_OR_HEADS}"
         )
     if not 0 <= tp_rank < tp_size:
         raise LayoutError(f"tp_rank {tp_rank} is not a rank of TP {tp_size}")
@@ -300,30 +305,9 @@ def tp_mapping(
         LayoutError: a combination that cannot be, naming the numbers.
         InputTypeError: an argument of the wrong type.
     """
-    tp_rank, tp_size, peer_tp_size, num_kv_heads = (
-        as_int(value, name)
-        for value, name in (
-            (tp_rank, "tp_rank"),
-            (tp_size, "tp_size"),
-            (peer_tp_size, "peer_tp_size"),
-            (num_kv_heads, "num_kv_heads"),
-        )
+    tp_rank, tp_size, peer_tp_size, num_kv_heads, kv_layout = check_tp(
+        tp_rank, tp_size, peer_tp_size, num_kv_heads, mla, kv_layout, "come from"
     )
-    if type(mla) is not bool:
-        raise InputTypeError(f"mla must be True or False, got {mla!r}")
-    kv_layout = check_kv_layout(kv_layout)
-    if min(tp_size, peer_tp_size, num_kv_heads) < 1:
-        raise LayoutError(
-            f"tp_size {tp_size}, peer_tp_size {peer_tp_size} and num_kv_heads "
-            f"{num_kv_heads} must each be at least 1"
-        )
-    if not 0 <= tp_rank < tp_size:
-        raise LayoutError(f"tp_rank {tp_rank} is not a rank of TP {tp_size}")
-    if max(tp_size, peer_tp_size) % min(tp_size, peer_tp_size):
-        raise LayoutError(
-            f"TP {tp_size} here and TP {peer_tp_size} at the peer: neither divides "
-            "the other, so a rank's heads do not come from whole ranks of the other"
-        )
     if mla:
         source = tp_rank * peer_tp_size // tp_size
         slices: tuple[HeadSlice, ...] = (HeadSlice(source, 0, 0, 1, 1, 1),)
@@ -339,6 +323,52 @@ def tp_mapping(
                 f"which are not one byte range of it; {SLICEABLE}"
             )
     return TPMapping(tp_rank, tp_size, peer_tp_size, num_kv_heads, mla, slices)
+
+
+def check_tp(
+    tp_rank: Any,
+    tp_size: Any,
+    peer_tp_size: Any,
+    num_kv_heads: Any,
+    mla: Any,
+    kv_layout: Any,
+    flow: str,
+) -> tuple[int, int, int, int, str]:
+    """tp_mapping()'s and push_mapping()'s numbers, checked: integers, each
+    size and the heads from 1 to MAX_TP_OR_HEADS (a peer's handshake can say
+    2**62, and a mapping walks its ranks and heads), the rank one of its TP,
+    TP sizes of which one divides the other; a layout's name. ``flow``
+    says which way a rank's heads go ("come from", "go to"), for the error.
+
+    Returns:
+        The four numbers as ints, and the layout's name.
+    """
+    tp_rank, tp_size, peer_tp_size, num_kv_heads = (
+        as_int(value, name)
+        for value, name in (
+            (tp_rank, "tp_rank"),
+            (tp_size, "tp_size"),
+            (peer_tp_size, "peer_tp_size"),
+            (num_kv_heads, "num_kv_heads"),
+        )
+    )
+    if type(mla) is not bool:
+        raise InputTypeError(f"mla must be True or False, got {mla!r}")
+    kv_layout = check_kv_layout(kv_layout)
+    sizes = (tp_size, peer_tp_size, num_kv_heads)
+    if not all(1 <= size <= MAX_TP_OR_HEADS for size in sizes):
+        raise LayoutError(
+            f"tp_size {tp_size}, peer_tp_size {peer_tp_size} and num_kv_heads "
+            f"{num_kv_heads} must each be from 1 to {MAX_TP_OR_HEADS}"
+        )
+    if not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"tp_rank {tp_rank} is not a rank of TP {tp_size}")
+    if max(tp_size, peer_tp_size) % min(tp_size, peer_tp_size):
+        raise LayoutError(
+            f"TP {tp_size} here and TP {peer_tp_size} at the peer: neither divides "
+            f"the other, so a rank's heads do not {flow} whole ranks of the other"
+        )
+    return tp_rank, tp_size, peer_tp_size, num_kv_heads, kv_layout
 
 
 def _head_slices(

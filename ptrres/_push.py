@@ -30,15 +30,21 @@ from typing import Any
 import numpy as np
 
 from ._args import SPEC_FIELDS, as_int, as_list, attributes, block_ids_arg
-from ._errors import InputTypeError, LayoutError, SpecError
-from ._heads import HND, NHD, HeadSlice, rank_heads
+from ._errors import LayoutError, SpecError
+from ._heads import (
+    HND,
+    KV_LAYOUTS,
+    MAX_TP_OR_HEADS,
+    SLICEABLE,
+    HeadSlice,
+    check_split,
+    check_tp,
+    rank_heads,
+    slices_heads,
+)
 from ._types import GPULoadStoreSpec
 
-# The largest TP size and KV head count push_mapping() takes: a mapping has a
-# slice per peer rank written, so that a peer's word of a TP size of 2**40
-# would cost hours of slices (and memory) before any check of the bytes.
-# Deployments run TP in the tens and KV heads in the hundreds.
-MAX_TP_OR_HEADS = 2**16
+__all__ = ["MAX_TP_OR_HEADS", "PushMapping", "push_mapping", "uncached_suffix"]
 
 
 @dataclass(frozen=True)
@@ -99,44 +105,19 @@ def push_mapping(
             TP sizes and heads are each at most 2**16 (MAX_TP_OR_HEADS).
         mla: replicated latent pages (MLA): the whole page to each peer rank
             whose one source rank this rank is.
-        kv_layout: the pages' layout, ``"HND"`` or ``"NHD"``, the same on
-            both sides; NHD pages are refused unless the two engines' pages
-            hold as many heads (every slice a whole page, on every rank).
+        kv_layout: the pages' layout, the same on both sides, as for
+            tp_mapping(): ``"HND"``, ``"NHD"`` or a vLLM KVCacheLayout name;
+            pages whose heads are not outermost (NHD, LBNHC, ...) are
+            refused unless the two engines' pages hold as many heads (every
+            slice a whole page, on every rank).
 
     Raises:
         LayoutError: a combination that cannot be, naming the numbers.
         InputTypeError: an argument of the wrong type.
     """
-    tp_rank, tp_size, peer_tp_size, num_kv_heads = (
-        as_int(value, name)
-        for value, name in (
-            (tp_rank, "tp_rank"),
-            (tp_size, "tp_size"),
-            (peer_tp_size, "peer_tp_size"),
-            (num_kv_heads, "num_kv_heads"),
-        )
+    tp_rank, tp_size, peer_tp_size, num_kv_heads, kv_layout = check_tp(
+        tp_rank, tp_size, peer_tp_size, num_kv_heads, mla, kv_layout, "go to"
     )
-    if type(mla) is not bool:
-        raise InputTypeError(f"mla must be True or False, got {mla!r}")
-    if not (isinstance(kv_layout, str) and kv_layout in (HND, NHD)):
-        raise InputTypeError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
-    if min(tp_size, peer_tp_size, num_kv_heads) < 1:
-        raise LayoutError(
-            f"tp_size {tp_size}, peer_tp_size {peer_tp_size} and num_kv_heads "
-            f"{num_kv_heads} must each be at least 1"
-        )
-    if max(tp_size, peer_tp_size, num_kv_heads) > MAX_TP_OR_HEADS:
-        raise LayoutError(
-            f"tp_size {tp_size}, peer_tp_size {peer_tp_size} and num_kv_heads "
-            f"{num_kv_heads} must each be at most {MAX_TP_OR_HEADS}"
-        )
-    if not 0 <= tp_rank < tp_size:
-        raise LayoutError(f"tp_rank {tp_rank} is not a rank of TP {tp_size}")
-    if max(tp_size, peer_tp_size) % min(tp_size, peer_tp_size):
-        raise LayoutError(
-            f"TP {tp_size} here and TP {peer_tp_size} at the peer: neither divides "
-            "the other, so a rank's heads do not go to whole ranks of the other"
-        )
     if mla:
         slices = tuple(
             HeadSlice(target, 0, 0, 1, 1, 1)
@@ -144,22 +125,17 @@ def push_mapping(
         )
     else:
         for side, size in (("this engine", tp_size), ("the peer", peer_tp_size)):
-            if max(size, num_kv_heads) % min(size, num_kv_heads):
-                raise LayoutError(
-                    f"{num_kv_heads} KV heads do not split over TP {size} ({side}): "
-                    "the TP size must divide the heads, or the heads the TP size"
-                )
+            check_split(num_kv_heads, size, side)
         # A page of either engine holds this many heads: of other counts,
         # the slices are of pages (any rank's, even one that writes none).
         held = len(rank_heads(0, tp_size, num_kv_heads))
         theirs = len(rank_heads(0, peer_tp_size, num_kv_heads))
-        if kv_layout == NHD and held != theirs:
+        if not slices_heads(kv_layout) and held != theirs:
             raise LayoutError(
-                f"NHD pages: a page of TP {tp_size} holds {held} of the "
-                f"{num_kv_heads} KV heads and a page of TP {peer_tp_size} {theirs}, "
-                "so the ranks write slices of pages, which NHD pages hold as one "
-                "fragment per token; head-slice HND pages (vLLM's kv_cache_layout "
-                "'HND'), or run both engines at the same TP"
+                f"{kv_layout} pages ({KV_LAYOUTS[kv_layout]}): a page of TP "
+                f"{tp_size} holds {held} of the {num_kv_heads} KV heads and a page "
+                f"of TP {peer_tp_size} {theirs}, so the ranks write slices of "
+                f"pages, which are not one byte range of them; {SLICEABLE}"
             )
         slices = _push_slices(tp_rank, tp_size, peer_tp_size, num_kv_heads)
     return PushMapping(tp_rank, tp_size, peer_tp_size, num_kv_heads, mla, slices)

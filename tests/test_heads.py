@@ -761,8 +761,8 @@ def test_every_decode_rank_ends_with_its_shard_of_the_prefill_kv(
         ((0, 6, 3, 4), {}, ptrres.LayoutError, r"4 KV heads .* TP 6 \(this engine\)"),
         ((2, 2, 2, 4), {}, ptrres.LayoutError, "tp_rank 2 is not a rank of TP 2"),
         ((-1, 2, 2, 4), {}, ptrres.LayoutError, "tp_rank -1 is not a rank of TP 2"),
-        ((0, 0, 2, 4), {}, ptrres.LayoutError, "tp_size 0, .* at least 1"),
-        ((0, 2, -2, 4), {}, ptrres.LayoutError, "peer_tp_size -2 .* at least 1"),
+        ((0, 0, 2, 4), {}, ptrres.LayoutError, "tp_size 0, .* from 1 to 65536"),
+        ((0, 2, -2, 4), {}, ptrres.LayoutError, "peer_tp_size -2 .* from 1 to 65536"),
         ((0, 2, 2, 0), {}, ptrres.LayoutError, "num_kv_heads 0 must each"),
         ((0.0, 2, 2, 4), {}, ptrres.InputTypeError, "tp_rank must be an integer"),
         ((0, "2", 2, 4), {}, ptrres.InputTypeError, "tp_size must be an integer"),
@@ -801,6 +801,29 @@ def test_impossible_mappings_name_their_numbers(
         ptrres.tp_mapping(*args, **kwargs)
     with pytest.raises(error):
         reference.tp_mapping(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (0, 1, 2**62, 2**62),
+        (0, 1, 2**17, 4),
+        (0, 2**17, 2**17, 2**17),
+        (0, 2, 2, 2**40),
+    ],
+)
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_peers_huge_sizes_are_refused_not_walked(
+    args: tuple[int, ...], mla: bool
+) -> None:
+    """A handshake can say TP 2**62: a mapping walks every rank and head, so
+    tp_mapping, push_mapping and rank_heads refuse sizes past 2**16 at once
+    (tp_mapping(0, 1, 2**62, 2**62) never returned; issue 40, item 4)."""
+    for mapping in (ptrres.tp_mapping, ptrres.push_mapping):
+        with pytest.raises(ptrres.LayoutError, match="from 1 to 65536"):
+            mapping(*args, mla=mla)
+    with pytest.raises(ptrres.LayoutError, match="from 1 to 65536"):
+        ptrres.rank_heads(0, args[2], args[3])
 
 
 def test_numpy_ints_and_mla_of_any_heads_are_mappings() -> None:

@@ -671,11 +671,11 @@ def test_a_suffix_of_nothing_or_everything() -> None:
         ((0, 4, 2, 6), {}, ptrres.LayoutError, r"6 KV heads .* TP 4 \(this engine\)"),
         ((2, 2, 2, 4), {}, ptrres.LayoutError, "tp_rank 2 is not a rank of TP 2"),
         ((-1, 2, 2, 4), {}, ptrres.LayoutError, "tp_rank -1 is not a rank of TP 2"),
-        ((0, 0, 2, 4), {}, ptrres.LayoutError, "tp_size 0, .* at least 1"),
-        ((0, 2, -2, 4), {}, ptrres.LayoutError, "peer_tp_size -2 .* at least 1"),
+        ((0, 0, 2, 4), {}, ptrres.LayoutError, "tp_size 0, .* from 1 to 65536"),
+        ((0, 2, -2, 4), {}, ptrres.LayoutError, "peer_tp_size -2 .* from 1 to 65536"),
         ((0, 2, 2, 0), {}, ptrres.LayoutError, "num_kv_heads 0 must each"),
-        ((0, 1, 2**40, 2**40), {}, ptrres.LayoutError, "at most 65536"),
-        ((0, 1, 2**17, 4), {"mla": True}, ptrres.LayoutError, "at most 65536"),
+        ((0, 1, 2**40, 2**40), {}, ptrres.LayoutError, "from 1 to 65536"),
+        ((0, 1, 2**17, 4), {"mla": True}, ptrres.LayoutError, "from 1 to 65536"),
         ((0.0, 2, 2, 4), {}, ptrres.InputTypeError, "tp_rank must be an integer"),
         ((0, "2", 2, 4), {}, ptrres.InputTypeError, "tp_size must be an integer"),
         ((0, 2, True, 4), {}, ptrres.InputTypeError, "peer_tp_size must be an int"),
@@ -683,7 +683,12 @@ def test_a_suffix_of_nothing_or_everything() -> None:
         ((0, 2, 2, math.nan), {}, ptrres.InputTypeError, "num_kv_heads must be an"),
         ((0, 2, 2, 4), {"mla": 1}, ptrres.InputTypeError, "mla must be True or"),
         ((0, 2, 2, 4), {"kv_layout": "hnd"}, ptrres.InputTypeError, "kv_layout"),
-        ((0, 1, 2, 4), {"kv_layout": "NHD"}, ptrres.LayoutError, "NHD pages: a page"),
+        (
+            (0, 1, 2, 4),
+            {"kv_layout": "NHD"},
+            ptrres.LayoutError,
+            r"NHD pages \(heads inside each token.*\): a page",
+        ),
         ((1, 4, 1, 2), {"kv_layout": "NHD"}, ptrres.LayoutError, "TP 1 2"),
     ],
 )
@@ -1034,3 +1039,36 @@ def test_the_push_path_takes_hostile_peer_numbers(
         )
     assert outcomes["pushed"] > 0
     assert sum(outcomes.values()) - outcomes["pushed"] > 0
+
+
+@pytest.mark.parametrize(
+    ("layout", "slices"),
+    [
+        ("LBHNC", True),
+        ("BLHNC", True),
+        ("LBNHC", False),
+        ("LHBNC", False),
+        ("BLNHC", False),
+        ("BHLNC", False),
+    ],
+)
+def test_push_mapping_reads_vllms_layout_names_as_tp_mapping_does(
+    layout: str, slices: bool
+) -> None:
+    """A PeerLayout's kv_layout (a vLLM KVCacheLayout name) goes to either
+    mapping: both slice heads on the same layouts, and take whole pages on
+    every one."""
+    whole = ptrres.push_mapping(0, 2, 2, 4, kv_layout=layout)
+    assert whole == ptrres.push_mapping(0, 2, 2, 4)
+    if slices:
+        assert ptrres.push_mapping(0, 1, 2, 4, kv_layout=layout) == ptrres.push_mapping(
+            0, 1, 2, 4
+        )
+        ptrres.tp_mapping(0, 2, 1, 4, kv_layout=layout)
+    else:
+        for mapping, args in (
+            (ptrres.push_mapping, (0, 1, 2, 4)),
+            (ptrres.tp_mapping, (0, 2, 1, 4)),
+        ):
+            with pytest.raises(ptrres.LayoutError, match=f"{layout} pages"):
+                mapping(*args, kv_layout=layout)
