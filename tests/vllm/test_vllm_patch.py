@@ -268,9 +268,7 @@ def test_pointer_utils_and_every_module_that_bound_its_functions() -> None:
 
 
 @pytest.mark.skipif(DEVICE_POINTERS, reason="vLLM 0.34 has pointer_utils")
-def test_a_release_without_pointer_utils_has_none_of_its_paths(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_release_without_pointer_utils_has_none_of_its_paths() -> None:
     """0.30-0.33: pointer_utils, the connector's resolve and the file worker
     are absent, without a warning; check says so, and nothing else."""
     from ptrres.vllm import _check

@@ -196,10 +196,12 @@ SIMPLE_BACKEND = copy_backend.__name__
 DISK_BACKEND = "vllm.v1.simple_kv_offload.disk_backend"
 # Each module vLLM may import first, alone, and the paths patched then. On
 # 0.34 gpu_worker, fs.worker and the connector's worker import pointer_utils
-# themselves: it is patched with them, first (so that their from-imports
-# would take ptrres's; the patch of their own path rebinds them anyway).
-# 0.30-0.33 have the connector's worker without its resolve: that path is
-# found absent then. The simple path's patch imports its other backend.
+# themselves, so its trigger has run too: it is patched with them, and first
+# (once the outermost module has run; a module importing its functions later
+# takes ptrres's, while these three bound vLLM's as they ran, and their own
+# path's patch rebinds them). 0.30-0.33 have the connector's worker without
+# its resolve: that path is found absent then. The simple path's patch
+# imports its other backend.
 ALONE_CASES = [
     (POINTER_UTILS_MODULE, {POINTER_UTILS}, set()),
     (CONNECTOR_MODULE, {POINTER_UTILS, CONNECTOR} if DEVICE_POINTERS else set(), set()),
