@@ -11,18 +11,23 @@ them with ``iter_pointer_groups``. Patched:
   ptrres's (``resolve_device_pointers``, ``iter_pointer_groups`` here): the
   same results, of vLLM's own types, every id checked; a bad one raises, as
   ptrres's drop-in always has.
-- The connector's own binding resolves a job (``job_resolver``): a bad id
-  does not raise inside the engine step. It gives a RefusedDevicePointers,
-  whose every field raises the error that refused it. ptrres's handler and
-  file worker see the refusal first (``refusal()``) and fail that job the way
-  vLLM fails a job whose copy failed; any other worker raises the error as
-  soon as it reads the pointers. Never a pointer outside a tensor, and never
-  a job that reports success with nothing copied.
-- DevicePointers that ptrres resolved carry the table and the spec they
-  came from (``resolved_by()``), so that the handler and the file worker go
-  from the checked ids to their buffers in one compiled pass; any other
-  DevicePointers is planned from its pointers, each checked where a table
-  is known.
+- The connector's own binding resolves a job (``job_resolver``), and
+  nothing raises inside the engine step. A spec ptrres refuses gives a
+  RefusedDevicePointers, whose every field raises the error that refused
+  it; any other a DeferredDevicePointers, whose ``ptrs`` and ``sizes`` are
+  resolved (and their ids checked) only when first read. ptrres's handler
+  and file worker see a refusal first (``refusal()``), and plan a deferred
+  job from its ids, checking each: a bad one fails that job the way vLLM
+  fails a job whose copy failed, and the arrays are never made (one compiled
+  pass from ids to buffers, where vLLM makes two numpy passes per ref). Any
+  other worker gets the arrays when it reads them, or the error of a bad
+  id. Never a pointer outside a tensor, and never a job that reports
+  success with nothing copied.
+- DevicePointers that ptrres resolved carry what they came from
+  (``resolved_with()``: the table, the spec, its ids and groups as read and
+  checked); any other DevicePointers (or one rebuilt, with
+  ``dataclasses.replace``) is planned from its pointers, each checked where
+  a table is known.
 
 Importing this module imports neither vLLM nor numba: ptrres's resolver
 (and its kernels) on the first call; vLLM's types from the module that
@@ -37,6 +42,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .._errors import PtrresError
 from ._state import reporter
 
 if TYPE_CHECKING:
@@ -71,6 +77,7 @@ class _VllmTypes:
         self.device_pointers: Any = base.DevicePointers
         self.group_info: Any = base.DevicePointerGroupInfo
         self.refused: Any = _refused_type(self.device_pointers)
+        self.deferred: Any = _deferred_type(self.device_pointers)
 
 
 _types: _VllmTypes | None = None
@@ -117,6 +124,68 @@ def _refused_type(device_pointers: type) -> type:
         **{name: refused_field(name) for name in (*fields, "block_indices")},
     }
     return type("RefusedDevicePointers", (device_pointers,), namespace)
+
+
+def _deferred_type(device_pointers: type) -> type:
+    """A subclass of vLLM's DevicePointers whose ptrs and sizes are resolved
+    when first read (then kept): a job ptrres's handler or file worker plans
+    from its checked ids never needs them.
+
+    Built from a Resolved (``deferred(resolved)``); built with the fields
+    (``dataclasses.replace`` does), it is a plain DevicePointers of them.
+    """
+
+    def array(index: int, name: str) -> property:
+        def read(self: Any) -> Any:
+            arrays = self.__dict__.get("_ptrres_arrays")
+            if arrays is None:
+                resolved: Resolved = self.__dict__[_RESOLVED_BY]
+                pointers = resolved.table._resolve(
+                    resolved.block_ids, resolved.counts, None
+                )
+                arrays = self.__dict__["_ptrres_arrays"] = [
+                    pointers.ptrs,
+                    pointers.sizes,
+                ]
+            return arrays[index]
+
+        def write(self: Any, value: Any) -> None:
+            arrays = self.__dict__.setdefault("_ptrres_arrays", [None, None])
+            arrays[index] = value
+
+        read.__name__ = write.__name__ = name
+        return property(
+            read, write, doc=f"{name}, resolved when first read (a bad id raises)"
+        )
+
+    def deferred(cls: Any, resolved: Resolved) -> Any:
+        pointers = cls.__new__(cls)
+        state = pointers.__dict__
+        state[_RESOLVED_BY] = resolved
+        state["group_block_counts"] = resolved.counts.group_sizes
+        state["group_data_ref_counts"] = resolved.table.group_data_ref_counts
+        state["block_indices"] = resolved.counts.block_indices
+        return pointers
+
+    def __repr__(self: Any) -> str:
+        """A job's pointers said without resolving them (a bad id would
+        raise from repr, in a log line)."""
+        arrays = self.__dict__.get("_ptrres_arrays")
+        shown = "not resolved yet" if arrays is None else f"{len(arrays[0])} ptrs"
+        return (
+            f"DeferredDevicePointers({shown}, group_block_counts="
+            f"{self.group_block_counts}, group_data_ref_counts="
+            f"{self.group_data_ref_counts}, block_indices={self.block_indices})"
+        )
+
+    namespace: dict[str, Any] = {
+        "__doc__": _deferred_type.__doc__,
+        "__repr__": __repr__,
+        "ptrs": array(0, "ptrs"),
+        "sizes": array(1, "sizes"),
+        "deferred": classmethod(deferred),
+    }
+    return type("DeferredDevicePointers", (device_pointers,), namespace)
 
 
 def refusal(device_ptrs: Any) -> BaseException | None:
@@ -199,28 +268,48 @@ _declined: dict[int, Callable[[], Any]] = {}
 _declined_lock = threading.Lock()
 
 
+# ptrres's table cache (ptrres._pointer_utils.table_for), imported on the
+# first job (with the kernels, and numba): an import statement costs a
+# microsecond on every job.
+_table_for: Callable[[Any], PointerTable] | None = None
+
+
+def _import_table_for() -> Callable[[Any], PointerTable]:
+    global _table_for
+    from .._pointer_utils import table_for
+
+    _table_for = table_for
+    return table_for
+
+
 def job_resolver(vllm_resolve: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """The offloading connector's ``resolve_device_pointers``: a bad id
-    refuses the job (a RefusedDevicePointers) instead of raising in the
-    engine step. A layout ptrres cannot build a table for (it refuses pages
-    that do not fit their rows) keeps vLLM's own resolver, with a warning."""
+    """The offloading connector's ``resolve_device_pointers``: nothing
+    raises in the engine step. A spec ptrres refuses gives a
+    RefusedDevicePointers (every field raises the error); any other gives a
+    DeferredDevicePointers, whose ptrs and sizes are resolved when first
+    read: ptrres's handler and file worker plan from its ids, checking every
+    one (a bad one fails the job), and never read them; another worker
+    reading them gets the arrays, or the error of a bad id. A layout ptrres
+    cannot build a table for (it refuses pages that do not fit their rows)
+    keeps vLLM's own resolver, with a warning."""
 
     def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> Any:
-        from .._errors import PtrresError
-        from .._pointer_utils import table_for
-
-        declined = _declined.get(id(kv_caches))
-        if declined is not None and declined() is kv_caches:
-            return vllm_resolve(device_spec, kv_caches)
+        if _declined:
+            declined = _declined.get(id(kv_caches))
+            if declined is not None and declined() is kv_caches:
+                return vllm_resolve(device_spec, kv_caches)
         try:
-            table = table_for(kv_caches)
+            table = (_table_for or _import_table_for())(kv_caches)
         except PtrresError as error:
             _decline(kv_caches, error)
             return vllm_resolve(device_spec, kv_caches)
         try:
-            return _vllm_pointers(table, device_spec)
+            block_ids, counts = table._read_spec(device_spec)
         except PtrresError as error:
             return vllm_types().refused(error)
+        return vllm_types().deferred.deferred(
+            Resolved(table, device_spec, block_ids, counts)
+        )
 
     resolve_device_pointers.__doc__ = job_resolver.__doc__
     resolve_device_pointers.__wrapped__ = vllm_resolve  # type: ignore[attr-defined]

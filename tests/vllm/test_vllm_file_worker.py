@@ -448,7 +448,8 @@ def test_bad_ids_fail_the_job_and_write_nothing(tmp_path: Path) -> None:
     keys = keys_for(good, 4)
     resolve = _pointers.job_resolver(vllm_resolve)
     refused = resolve(bad, layout.kv_caches)
-    assert _pointers.refusal(refused) is not None
+    # Found when planned from its ids (or when its pointers are read).
+    assert _pointers.resolved_table(refused) is not None
     # vLLM's own raises in the engine step (its first read of the pointers).
     with pytest.raises(ptrres.BlockIdError):
         VLLM_SUBMIT_IO(CapturingWorker(file_mapper("/kv", 4), 4), refused, keys, True)

@@ -91,8 +91,11 @@ def resolutions(draw: st.DrawFn) -> tuple[Layout, Any]:
     return layout, spec
 
 
-def same_pointers(ours: Any, theirs: Any) -> None:
-    assert type(ours) is base.DevicePointers
+def same_pointers(ours: Any, theirs: Any, *, exact_type: bool = True) -> None:
+    if exact_type:
+        assert type(ours) is base.DevicePointers
+    else:  # the connector's: a subclass, its arrays made when first read
+        assert isinstance(ours, base.DevicePointers)
     assert ours.ptrs.dtype == theirs.ptrs.dtype == np.uint64
     assert ours.ptrs.tobytes() == theirs.ptrs.tobytes()
     assert ours.sizes.dtype == np.uint64
@@ -121,7 +124,10 @@ def test_pointer_utils_gives_vllms_results_of_vllms_types(
     same_pointers(
         ptrres_as_vllm(ptrres.resolve_device_pointers(spec, kv_caches)), expected
     )
-    same_pointers(connector.resolve_device_pointers(spec, kv_caches), expected)
+    deferred = connector.resolve_device_pointers(spec, kv_caches)
+    assert "_ptrres_arrays" not in vars(deferred)  # nothing resolved yet
+    same_pointers(deferred, expected, exact_type=False)
+    assert dataclasses.replace(deferred).ptrs.tobytes() == expected.ptrs.tobytes()
 
 
 def ptrres_as_vllm(pointers: Any) -> Any:
@@ -157,43 +163,65 @@ def test_bad_ids_raise_from_pointer_utils(block_id: int, offset: int) -> None:
         ptrres.resolve_device_pointers(spec, kv_caches)
 
 
-def test_the_connectors_resolve_refuses_a_job_without_raising() -> None:
+def test_the_connectors_resolve_raises_nothing_in_the_engine_step() -> None:
+    """A malformed spec gives a refusal, every field of which raises; a bad
+    id a DevicePointers whose pointers raise it when read (ptrres's handler
+    and file worker find it planning from the ids, and fail the job)."""
     _, kv_caches = eight_blocks()
     plugin.patch()
-    refused = connector.resolve_device_pointers(
-        base.GPULoadStoreSpec([3, 8], [2], [0]), kv_caches
-    )
+    malformed = base.GPULoadStoreSpec([3, 4], [2], [0])
+    malformed.group_sizes = [3]  # three blocks said, two given
+    refused = connector.resolve_device_pointers(malformed, kv_caches)
     assert isinstance(refused, base.DevicePointers)
     error = _pointers.refusal(refused)
-    assert isinstance(error, ptrres.BlockIdError)
-    assert (error.group, error.position, error.value) == (0, 1, 8)
-    # Every field raises it: no worker copies anything for this job.
+    assert isinstance(error, ptrres.SpecError)
     for field in dataclasses.fields(base.DevicePointers):
-        with pytest.raises(ptrres.BlockIdError, match="block id 8"):
+        with pytest.raises(ptrres.SpecError):
             getattr(refused, field.name)
-    with pytest.raises(ptrres.BlockIdError):
+    with pytest.raises(ptrres.SpecError):
         dataclasses.replace(refused)
-    with pytest.raises(ptrres.BlockIdError):
+    with pytest.raises(ptrres.SpecError):
         list(pointer_utils.iter_pointer_groups(refused, 1))
-    assert "block id 8" in repr(refused)
+    assert repr(refused) == f"RefusedDevicePointers({error})"
+
+    bad = connector.resolve_device_pointers(
+        base.GPULoadStoreSpec([3, 8], [2], [0]), kv_caches
+    )
+    assert isinstance(bad, base.DevicePointers)
+    assert _pointers.refusal(bad) is None
+    assert bad.group_block_counts == (2,)
+    assert "not resolved yet" in repr(bad)  # a log line never raises
+    for name in ("ptrs", "sizes"):
+        with pytest.raises(ptrres.BlockIdError, match="block id 8") as raised:
+            getattr(bad, name)
+        assert (raised.value.group, raised.value.position) == (0, 1)
+    with pytest.raises(ptrres.BlockIdError):
+        dataclasses.replace(bad)
     # A good job after it.
     good = connector.resolve_device_pointers(
         base.GPULoadStoreSpec([3, 7], [2], [0]), kv_caches
     )
     assert _pointers.refusal(good) is None
     assert _pointers.resolved_table(good) is not None
+    assert good.ptrs.tolist() == [good.ptrs[0], good.ptrs[0] + 4 * 64]
 
 
-def test_vllms_own_handler_raises_on_a_refused_job() -> None:
-    """Where the handler's path is left alone, a refused job raises as soon
-    as vLLM reads its pointers: never a copy of nothing reported done."""
-    _, kv_caches = eight_blocks()
-    plugin.patch()
-    refused = connector.resolve_device_pointers(
-        base.GPULoadStoreSpec([9], [1], [0]), kv_caches
-    )
-    with pytest.raises(ptrres.BlockIdError):
-        _state.vllm_own(pointer_utils.iter_pointer_groups)(refused, 1).__next__()
+def test_vllms_own_handler_raises_on_a_bad_job() -> None:
+    """Where the handler's path is left alone, a job with a bad id raises as
+    soon as vLLM reads its pointers: never a copy of an address outside the
+    tensor, never a copy of nothing reported done."""
+    layout = one_group()
+    kv_caches = layout.kv_caches()
+    engine = CopyEngine()
+    with stubbed_vllm(engine):
+        handler = layout.handler(True).handler  # vLLM's own, unwrapped
+        plugin.patch()
+        vllm_transfer = _state.vllm_own(type(handler).transfer_async)
+        gpu, cpu = specs([3, 9], [2], [0], [0, 1], gpu_to_cpu=True)
+        bad = connector.resolve_device_pointers(gpu, kv_caches)
+        with pytest.raises(ptrres.BlockIdError, match="block id 9"):
+            vllm_transfer(handler, 1, bad, cpu)
+    assert not engine.calls
 
 
 # --- CPUOffloadingWorker, built through its real __init__ ------------------------
