@@ -220,6 +220,20 @@ def resolved_table(device_ptrs: Any) -> PointerTable | None:
     return None if resolved is None else resolved.table
 
 
+# ptrres's table cache (ptrres._pointer_utils.table_for), imported on the
+# first job (with the kernels, and numba): an import statement costs a
+# microsecond on every job.
+_table_for: Callable[[Any], PointerTable] | None = None
+
+
+def _import_table_for() -> Callable[[Any], PointerTable]:
+    global _table_for
+    from .._pointer_utils import table_for
+
+    _table_for = table_for
+    return table_for
+
+
 def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> Any:
     """vLLM's ``resolve_device_pointers``, ptrres's: every id checked.
 
@@ -229,9 +243,7 @@ def resolve_device_pointers(device_spec: Any, kv_caches: Any) -> Any:
     Raises:
         BlockIdError, SpecError, InputTypeError: as ptrres.resolve_device_pointers.
     """
-    from .._pointer_utils import table_for
-
-    table = table_for(kv_caches)
+    table = (_table_for or _import_table_for())(kv_caches)
     return _vllm_pointers(table, device_spec)
 
 
@@ -240,7 +252,7 @@ def _vllm_pointers(table: PointerTable, device_spec: Any) -> Any:
     what they were resolved from (a Resolved)."""
     block_ids, counts = table._read_spec(device_spec)
     resolved = table._resolve(block_ids, counts, None)
-    result = vllm_types().device_pointers(
+    result = (_types or vllm_types()).device_pointers(
         resolved.ptrs,
         resolved.sizes,
         resolved.group_block_counts,
@@ -266,20 +278,6 @@ def iter_pointer_groups(device_ptrs: Any, blocks_per_chunk: int) -> Iterator[Any
 # (or the object, where it takes none), checked on every hit.
 _declined: dict[int, Callable[[], Any]] = {}
 _declined_lock = threading.Lock()
-
-
-# ptrres's table cache (ptrres._pointer_utils.table_for), imported on the
-# first job (with the kernels, and numba): an import statement costs a
-# microsecond on every job.
-_table_for: Callable[[Any], PointerTable] | None = None
-
-
-def _import_table_for() -> Callable[[Any], PointerTable]:
-    global _table_for
-    from .._pointer_utils import table_for
-
-    _table_for = table_for
-    return table_for
 
 
 def job_resolver(vllm_resolve: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
