@@ -135,7 +135,16 @@ CPU per store or load. Both sides' descriptors are checked equal first.
 pointer math costs the same at any page size. The canonical rows run the
 two canonical presets above through a `canonical_layout=True` handler, their
 byte fields scaled alike so that the smallest is 8 B. A store where this
-rank writes no block submits nothing on either side (0 descriptors).""",
+rank writes no block submits nothing on either side (0 descriptors).
+
+On vLLM 0.34 the connector's worker resolves each job
+(`pointer_utils.resolve_device_pointers`) and hands the handler the
+`DevicePointers`, so a row times a whole job: vLLM's resolve and
+`transfer_async` against the patched connector's resolve and the patched
+`transfer_async` (the handler built without GPU tensors, its table from
+the layout's KV caches). The second table times the resolve alone, vLLM's
+`pointer_utils.resolve_device_pointers` against the one patched in (vLLM's
+own `DevicePointers` returned by both, fresh arrays each call).""",
         ("python", "benchmarks/vllm_transfer.py"),
         ("--quick",),
         markdown=True,
@@ -316,8 +325,11 @@ noise of each other.""",
 [docs/vllm.md](vllm.md). Fresh interpreters with ptrres's entry point and
 without it (`VLLM_PLUGINS` naming only vLLM's own plugins), alternating,
 medians of wall and CPU time: `load_general_plugins()` where vLLM's
-offloading worker is already imported (`offloading`: ptrres patches the
-handler's path there and imports nothing of the NIXL connector), where
+offloading worker and its connector's worker module are already imported
+(`offloading`: ptrres patches the offloading paths there, on 0.34
+pointer_utils, the connector's resolve and the handler, each matched by
+its fingerprint first, and imports neither numba nor anything of the NIXL
+connector), where
 nothing of vLLM's paths is (`api`), and vLLM's own import of its NIXL
 connector after it (`nixl`), inside which ptrres patches that path, timed
 on its own. Each path is patched when vLLM imports its modules, and only
@@ -412,7 +424,7 @@ class Headline:
 
 HEADLINES: tuple[Headline, ...] = (
     Headline(
-        "vLLM's `transfer_async`, patched",
+        "vLLM 0.34's offloading job (resolve, `transfer_async`), patched",
         "vLLM's own, 1 to 2048 blocks",
         "vllm",
         r"geometric mean ([\d.]+)x .*lowest ([\d.]+)x",
