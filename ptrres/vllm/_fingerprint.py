@@ -41,6 +41,9 @@ from typing import Any, Final
 RECORD_FILE = Path(__file__).with_name("fingerprints.json")
 MISSING: Final = "missing"
 PRESENT: Final = "present"
+# A function or class whose file cannot be read (vLLM installed as bytecode
+# alone): no tested release's, and said so.
+NO_SOURCE: Final = "no source"
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ def digest(obj: Any, original: Callable[[Any], Any] | None = None) -> str:
         where = f"{obj.__module__}:{obj.__qualname__}"
     else:
         return PRESENT
+    if source == _NO_SOURCE:
+        return NO_SOURCE
     text = f"{where}\n{source}".encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
@@ -123,7 +128,7 @@ def _class_source(cls: type) -> str:
     module = sys.modules.get(cls.__module__)
     filename = getattr(module, "__file__", None)
     if filename is None:
-        return "<no source>"
+        return _NO_SOURCE
     lines = linecache.getlines(filename)
     header = re.compile(rf"\s*class {re.escape(cls.__name__)}\b")
     for index, line in enumerate(lines):
@@ -132,10 +137,11 @@ def _class_source(cls: type) -> str:
             while start > 0 and lines[start - 1].lstrip().startswith("@"):
                 start -= 1
             return _block(lines, start)
-    return "<no source>"
+    return _NO_SOURCE
 
 
 _CLOSING = (")", "]", "}")
+_NO_SOURCE = "<no source>"
 
 
 def _block(lines: list[str], start: int) -> str:
@@ -144,7 +150,7 @@ def _block(lines: list[str], start: int) -> str:
     indented no deeper than it that does not close a bracket (the end of a
     signature spread over lines), blank lines and comments aside."""
     if not 0 <= start < len(lines):
-        return "<no source>"
+        return _NO_SOURCE
     indent = _indent(lines[start])
     body = start + 1
     # Past the decorators to the def or class line.
@@ -207,6 +213,8 @@ def differences(found: Mapping[str, str], recorded: Mapping[str, str]) -> list[s
         name = f"{module.rpartition('.')[2]}.{qualname}"
         if have == MISSING:
             phrases.append(f"{name} is missing")
+        elif have == NO_SOURCE:
+            phrases.append(f"{name} has no source to read (installed as bytecode?)")
         elif want == MISSING:
             phrases.append(f"{name} is new")
         else:

@@ -37,6 +37,7 @@ from ._release import (
     NIXL_BASE_MODULE,
     NIXL_PULL_MODULE,
     NIXL_PUSH_MODULE,
+    PATH_MODULES,
     PATH_TRIGGERS,
     POINTER_UTILS_MODULE,
     SIMPLE_BACKEND_MODULES,
@@ -196,10 +197,23 @@ def unpatch() -> None:
         for replacements in reversed(list(_state.applied.values())):
             for r in reversed(replacements):
                 setattr(r.owner, r.name, r.original)
+                if isinstance(r.owner, ModuleType):
+                    _restore_bindings(r)
         _state.applied.clear()
         _state.matches.clear()
         _state.refused.clear()
         _state.absent.clear()
+
+
+def _restore_bindings(r: Replacement) -> None:
+    """vLLM's own function back in every path module that imported ptrres's
+    by name (``from pointer_utils import ...`` after pointer_utils was
+    patched) and whose own path did not replace it (left alone, say)."""
+    for modules in PATH_MODULES.values():
+        for name in modules:
+            module = sys.modules.get(name)
+            if module is not None and vars(module).get(r.name) is r.replacement:
+                setattr(module, r.name, r.original)
 
 
 def register() -> None:

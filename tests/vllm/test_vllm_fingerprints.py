@@ -54,7 +54,7 @@ from test_vllm_patch import (
 from vllm_harness import worker
 
 import ptrres.vllm as plugin
-from ptrres.vllm import _patching, _record
+from ptrres.vllm import _fingerprint, _patching, _record
 from ptrres.vllm._fingerprint import fingerprint
 from ptrres.vllm._release import match_path, path_code
 from ptrres.vllm._state import HANDLER, PATHS, Match
@@ -513,3 +513,21 @@ def test_what_matching_each_path_costs() -> None:
         print(
             f"  {path:22} {found:8} {locators:3d} {cold * 1e3:8.2f} {warm * 1e3:8.2f}"
         )
+
+
+def test_code_without_source_is_said_to_have_none() -> None:
+    """vLLM installed as bytecode alone: its functions have no source to
+    fingerprint, so no path matches, and the refusal says why."""
+    namespace: dict[str, Any] = {}
+    exec(
+        compile("def resolve(spec, kv):\n    return 1\n", "/no/such/file.py", "exec"),
+        namespace,
+    )
+    assert _fingerprint.digest(namespace["resolve"]) == _fingerprint.NO_SOURCE
+    phrases = _fingerprint.differences(
+        {"m.pointer_utils:resolve": _fingerprint.NO_SOURCE},
+        {"m.pointer_utils:resolve": "0123456789abcdef"},
+    )
+    assert phrases == [
+        "pointer_utils.resolve has no source to read (installed as bytecode?)"
+    ]

@@ -249,10 +249,13 @@ HANDLERS = ("_store_handler", "_load_handler", "_expedited_load_handler")
 
 
 def test_the_worker_builds_one_table_for_its_handlers_and_the_resolve(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ptrres._pointer_utils import table_for
+    from ptrres.vllm import _warmup
 
+    # The warmup is said at INFO once a process: as if this were the first.
+    monkeypatch.setattr(_warmup, "_warmup_logged", False)
     layout = two_groups()
     kv_caches = layout.kv_caches()
     with stubbed_vllm():
@@ -499,3 +502,29 @@ def test_a_bad_job_fails_as_a_failed_copy_fails_it(
     assert bytes((ctypes.c_char * 64).from_address(cpu.data_ptr())) == bytes(
         stored[0].numpy().tobytes()
     )
+
+
+def test_a_name_imported_from_patched_pointer_utils_is_given_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A module that imports pointer_utils' functions by name after they were
+    patched takes ptrres's; where its own path is left alone (here the file
+    worker, whose _submit_io changed), unpatch() still gives it vLLM's."""
+    fs_worker = importlib.import_module("vllm.v1.kv_offload.fs.worker")
+
+    def submit_io(self: Any, device_ptrs: Any, keys: Any, is_store: bool) -> Any:
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(fs_worker.FSOffloadingWorker, "_submit_io", submit_io)
+    with pytest.warns(plugin.VllmPatchWarning, match="file worker"):
+        plugin.patch()
+    assert not _state.patched(_state.FILE_WORKER)
+    assert _state.patched(_state.POINTER_UTILS)
+    # What `from pointer_utils import iter_pointer_groups` would take now.
+    monkeypatch.setattr(
+        fs_worker, "iter_pointer_groups", pointer_utils.iter_pointer_groups
+    )
+    assert fs_worker.iter_pointer_groups is _pointers.iter_pointer_groups
+    plugin.unpatch()
+    assert fs_worker.iter_pointer_groups is VLLM_GROUPS
+    assert pointer_utils.iter_pointer_groups is VLLM_GROUPS
