@@ -423,8 +423,12 @@ def test_canonical_plan_from_device_pointers_is_the_same_plan(
 
 
 def vllm_fill(case: CanonicalCase, store: bool, vllm_refs: list[list[Any]]) -> Any:
-    """Run vLLM 0.33's _fill_canonical_ops as transfer_async does, on CPU."""
+    """Run vLLM's _fill_canonical_ops as transfer_async does, on CPU: 0.33's
+    from block ids, or 0.34's from the DevicePointers its pointer_utils
+    resolves."""
     worker = importlib.import_module("vllm.v1.kv_offload.cpu.gpu_worker")
+    if hasattr(worker, "iter_pointer_groups"):
+        return vllm_fill_from_pointers(worker, case, store, vllm_refs)
     handler = worker.SingleDirectionOffloadingHandler
     bpc = case.blocks_per_chunk
     device = [t.tensor for t in case.kv_caches.tensors]
@@ -463,6 +467,44 @@ def vllm_fill(case: CanonicalCase, store: bool, vllm_refs: list[list[Any]]) -> A
             fake, g, group_src, group_dst, size,
             0 if store else skip, skip if store else 0,
             all_src, all_dst, all_sizes, op,
+        )  # fmt: skip
+        num_bytes += group_bytes
+    return all_src[:op], all_dst[:op], all_sizes[:op], num_bytes
+
+
+def vllm_fill_from_pointers(
+    worker: Any, case: CanonicalCase, store: bool, vllm_refs: list[list[Any]]
+) -> Any:
+    """vLLM 0.34's transfer_async fill: its own resolve_device_pointers and
+    iter_pointer_groups, then _fill_canonical_ops per group."""
+    pointer_utils = importlib.import_module("vllm.v1.kv_offload.pointer_utils")
+    # vLLM's own, not ptrres's patched in: the oracle shares no code.
+    assert pointer_utils.resolve_device_pointers.__module__ == pointer_utils.__name__
+    handler = worker.SingleDirectionOffloadingHandler
+    bpc = case.blocks_per_chunk
+    kv = ptrres.CanonicalKVCaches(case.kv_caches.tensors, vllm_refs)
+    device_ptrs = pointer_utils.resolve_device_pointers(case.spec, kv)
+    fake = types.SimpleNamespace(
+        gpu_to_cpu=store,
+        layer_refs_per_group=vllm_refs,
+        cpu_tensors=case.offloaded_tensors,
+        blocks_per_chunk=bpc,
+        _canonical_copy_plans=[
+            [worker._build_copy_plan(ref, store) for ref in refs] for refs in vllm_refs
+        ],
+        _scratch_bases_cpu=np.empty(0, np.uint64),
+    )
+    fake._filter_writer_blocks = functools.partial(handler._filter_writer_blocks, fake)
+    n = case.max_ops()
+    all_src, all_dst, all_sizes = (np.zeros(n, np.int64) for _ in range(3))
+    chunk_ids = case.offloaded_ids.astype(np.int64)
+    op = num_bytes = first_chunk = 0
+    for g in pointer_utils.iter_pointer_groups(device_ptrs, bpc):
+        chunks = chunk_ids[first_chunk : first_chunk + g.n_chunks]
+        first_chunk += g.n_chunks
+        op, group_bytes = handler._fill_canonical_ops(
+            fake, g.group_idx, device_ptrs, g.dev_ptr_offset, chunks,
+            g.group_size, g.skip, all_src, all_dst, all_sizes, op,
         )  # fmt: skip
         num_bytes += group_bytes
     return all_src[:op], all_dst[:op], all_sizes[:op], num_bytes

@@ -700,7 +700,7 @@ IMPOSSIBLE = [
     ((-1, 1, 2, 4), "tp_rank -1 is not a rank of TP 1"),
     ((0, 4, 1, 6), "6 KV heads do not split over TP 4 (this engine)"),
     ((0, 1, 2, 3), "3 KV heads do not split over TP 2 (the peer)"),
-    ((0, 1, 2, 0), "num_kv_heads 0 must each be at least 1"),
+    ((0, 1, 2, 0), "num_kv_heads 0 must each be from 1 to 65536"),
 ]
 
 
