@@ -766,6 +766,13 @@ def patch_cost(rounds: int, before: str, quick: bool) -> None:
             )
         else:
             print(f"\n(`git archive {before}` failed: no before rows)")
+        if len(variants) > 1 and not _patches(variants[1], SCENARIOS[0][1], cwd):
+            # A tree that predates the installed vLLM's release patches none
+            # of it (before issue 39, a release was tested by its version).
+            print(
+                f"\n(the tree at {before} patches nothing of this vLLM: no before rows)"
+            )
+            variants.pop()
         for number, (scenario, imports) in enumerate(SCENARIOS):
             if quick and number:
                 break
@@ -775,6 +782,17 @@ def patch_cost(rounds: int, before: str, quick: bool) -> None:
                 name = "this tree, PTRRES_VLLM_NIXL=0"
                 kinds.insert(1, Variant(name, switch, str(ROOT)))
             patch_table(scenario, imports, kinds, rounds, cwd)
+
+
+def _patches(variant: Variant, imports: tuple[str, ...], cwd: str) -> bool:
+    """Whether ``variant``'s patch() patches anything of the installed vLLM."""
+    try:
+        run_child(variant, imports, cwd)
+    except RuntimeError as error:
+        if "patch() patched nothing" in str(error):
+            return False
+        raise
+    return True
 
 
 def patch_table(

@@ -270,10 +270,15 @@ outputs are checked equal first. The first table runs on the benchmark's
 warm heap (no page faults); the second in a process whose malloc hands
 every large array fresh pages, as a serving process's may. Between them,
 where the patched paths' time goes. `wrap - vLLM` is what the check costs
-when vLLM builds the indices. Last, what `ptrres.vllm.patch()` costs where
-it triggers, now that it imports vLLM's NIXL worker modules, against the
-commit before the NIXL patch: in a process that has imported only vLLM's
-offloading worker, and in one that has imported what a GPU worker has.""",
+when vLLM builds the indices. Last, what an explicit `ptrres.vllm.patch()`
+costs, which imports every path's modules: vLLM's NIXL worker modules, and
+on vLLM 0.34 the offloading connector's worker module too (its import of
+`vllm.config` is most of it), against the commit before the NIXL patch
+where that commit patches the installed vLLM (it patches no vLLM past
+0.33): in a process that has imported only vLLM's offloading worker, and in
+one that has imported what a GPU worker has. A vLLM process patches through
+`register()` instead, each path as vLLM imports it (the start-up section
+below).""",
         ("python", "benchmarks/nixl_desc_ids.py"),
         ("--quick",),
         markdown=True,
