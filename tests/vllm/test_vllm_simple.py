@@ -256,6 +256,30 @@ def test_the_same_driver_calls_as_vllms_own(case: dict[str, Any]) -> None:
     ]
 
 
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_rocms_cap_splits_a_large_batch_as_vllm_does(
+    coalesce: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ROCm caps a batch at 8192 descriptors (and one CUDA 13 batch of
+    51,828 hung, vLLM #49276): a copy of 3 layers x 6000 blocks, 18,000
+    descriptors, goes out in vLLM's chunks of 8192, 8192 and 1616, the same
+    arrays; coalesced, the merged list is split at the same cap."""
+    if coalesce:
+        monkeypatch.setenv("PTRRES_VLLM_COALESCE", "1")
+    case = {"block_bytes": [16, 32, 8], "src_blocks": 6500, "dst_blocks": 6500}
+    rng = np.random.default_rng(49276)
+    src = rng.permutation(6500)[:6000].tolist()
+    dst = rng.permutation(6500)[:6000].tolist()
+    with stubbed_simple(max_batch=8192) as driver:
+        params, _, _ = params_of(case)
+        ours = run(cuda_mem_ops.copy_blocks, driver, src, dst, params)
+        vllms = run(VLLM_COPY_BLOCKS, driver, src, dst, params)
+    assert [len(c.sizes) for c in vllms] == [8192, 8192, 1616]
+    if coalesce:  # scattered ids: nothing merges, the same chunks
+        assert [len(c.sizes) for c in ours] == [8192, 8192, 1616]
+    assert_same_calls(ours, vllms)
+
+
 def test_numpy_ids_and_other_integer_types_give_the_same_calls() -> None:
     case = {"block_bytes": [8, 24], "src_blocks": 9, "dst_blocks": 9}
     with stubbed_simple() as driver:
