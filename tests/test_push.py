@@ -1060,6 +1060,10 @@ def test_push_mapping_reads_vllms_layout_names_as_tp_mapping_does(
     every one."""
     whole = ptrres.push_mapping(0, 2, 2, 4, kv_layout=layout)
     assert whole == ptrres.push_mapping(0, 2, 2, 4)
+    assert reference.push_mapping(0, 2, 2, 4, kv_layout=layout) == whole
+    if not slices:  # the reference refuses the same slices
+        with pytest.raises(ptrres.LayoutError):
+            reference.push_mapping(0, 1, 2, 4, kv_layout=layout)
     if slices:
         assert ptrres.push_mapping(0, 1, 2, 4, kv_layout=layout) == ptrres.push_mapping(
             0, 1, 2, 4

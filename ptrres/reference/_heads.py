@@ -60,6 +60,34 @@ def holds(rank: int, tp_size: int, num_kv_heads: int, head: int) -> bool:
     return rank * num_kv_heads // tp_size == head
 
 
+def read_numbers(
+    tp_rank: object,
+    tp_size: object,
+    peer_tp_size: object,
+    num_kv_heads: object,
+    mla: object,
+    kv_layout: object,
+) -> tuple[int, int, int, int]:
+    """A mapping's numbers as ints, checked (as ptrres's tp_mapping and
+    push_mapping check them): a rank of its TP, sizes and heads from 1 to
+    2**16 (a mapping walks every rank and head), TP sizes of which one
+    divides the other, MLA a bool, the layout a name."""
+    names = ("tp_rank", "tp_size", "peer_tp_size", "num_kv_heads")
+    values = (tp_rank, tp_size, peer_tp_size, num_kv_heads)
+    numbers = tuple(as_int(value, name) for value, name in zip(values, names))
+    rank, size, peer_size, heads = numbers
+    if type(mla) is not bool:
+        raise InputTypeError(f"mla must be True or False, got {mla!r}")
+    read_layout(kv_layout)
+    if min(size, peer_size, heads) < 1 or not 0 <= rank < size:
+        raise LayoutError(f"no such rank or heads: {numbers}")
+    if max(size, peer_size, heads) > 2**16:
+        raise LayoutError(f"TP sizes or heads past 2**16: {numbers}")
+    if size % peer_size and peer_size % size:
+        raise LayoutError(f"TP {size} and {peer_size} do not divide")
+    return rank, size, peer_size, heads
+
+
 def tp_mapping(
     tp_rank: int,
     tp_size: int,
@@ -71,19 +99,8 @@ def tp_mapping(
 ) -> TPMapping:
     """The peer ranks that give rank ``tp_rank`` its heads, one HeadSlice
     each (as ptrres.tp_mapping)."""
-    names = ("tp_rank", "tp_size", "peer_tp_size", "num_kv_heads")
-    values = (tp_rank, tp_size, peer_tp_size, num_kv_heads)
-    tp_rank, tp_size, peer_tp_size, num_kv_heads = (
-        as_int(value, name) for value, name in zip(values, names)
-    )
-    numbers = (tp_rank, tp_size, peer_tp_size, num_kv_heads)
-    if type(mla) is not bool:
-        raise InputTypeError(f"mla must be True or False, got {mla!r}")
-    read_layout(kv_layout)
-    if min(tp_size, peer_tp_size, num_kv_heads) < 1 or not 0 <= tp_rank < tp_size:
-        raise LayoutError(f"no such rank or heads: {numbers}")
-    if tp_size % peer_tp_size and peer_tp_size % tp_size:
-        raise LayoutError(f"TP {tp_size} and {peer_tp_size} do not divide")
+    numbers = read_numbers(tp_rank, tp_size, peer_tp_size, num_kv_heads, mla, kv_layout)
+    tp_rank, tp_size, peer_tp_size, num_kv_heads = numbers
     if mla:
         source = tp_rank * peer_tp_size // tp_size
         return TPMapping(*numbers, mla, (HeadSlice(source, 0, 0, 1, 1, 1),))

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from .._errors import InputTypeError, LayoutError, SpecError
-from .._heads import HND, NHD, HeadSlice
+from .._heads import HND, HeadSlice
 from .._push import PushMapping
 from .._types import GPULoadStoreSpec
+from ._heads import heads_are_a_byte_range, read_numbers
 from ._input import as_int
 
 
@@ -54,22 +55,8 @@ def push_mapping(
 ) -> PushMapping:
     """The peer ranks rank ``tp_rank`` writes its heads to, one HeadSlice
     each (as ptrres.push_mapping)."""
-    names = ("tp_rank", "tp_size", "peer_tp_size", "num_kv_heads")
-    values = (tp_rank, tp_size, peer_tp_size, num_kv_heads)
-    tp_rank, tp_size, peer_tp_size, num_kv_heads = (
-        as_int(value, name) for value, name in zip(values, names)
-    )
-    numbers = (tp_rank, tp_size, peer_tp_size, num_kv_heads)
-    if type(mla) is not bool:
-        raise InputTypeError(f"mla must be True or False, got {mla!r}")
-    if not (isinstance(kv_layout, str) and kv_layout in (HND, NHD)):
-        raise InputTypeError(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}")
-    if min(tp_size, peer_tp_size, num_kv_heads) < 1 or not 0 <= tp_rank < tp_size:
-        raise LayoutError(f"no such rank or heads: {numbers}")
-    if max(tp_size, peer_tp_size, num_kv_heads) > 2**16:
-        raise LayoutError(f"TP sizes or heads past 2**16: {numbers}")
-    if tp_size % peer_tp_size and peer_tp_size % tp_size:
-        raise LayoutError(f"TP {tp_size} and {peer_tp_size} do not divide")
+    numbers = read_numbers(tp_rank, tp_size, peer_tp_size, num_kv_heads, mla, kv_layout)
+    tp_rank, tp_size, peer_tp_size, num_kv_heads = numbers
     if mla:
         # One latent page, read whole from the first source rank.
         return PushMapping(
@@ -111,8 +98,8 @@ def push_mapping(
                 )
     # Pages of other head counts on the two sides: every push slices them.
     peer_heads = [h for h in heads if holds(0, peer_tp_size, num_kv_heads, h)]
-    if kv_layout == NHD and len(mine) != len(peer_heads):
-        raise LayoutError(f"NHD pages cannot be head-sliced: {numbers}")
+    if not heads_are_a_byte_range(kv_layout) and len(mine) != len(peer_heads):
+        raise LayoutError(f"{kv_layout} pages cannot be head-sliced: {numbers}")
     return PushMapping(*numbers, mla, tuple(slices))
 
 
